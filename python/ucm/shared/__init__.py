@@ -1,0 +1,1 @@
+"""Helpers shared by every part of ucm: logging, config parsing."""

@@ -1,0 +1,115 @@
+//! Block identity and the description of one shard transfer.
+
+use std::fmt;
+
+/// A 16-byte block id (the chained hash of a block's tokens).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub [u8; 16]);
+
+impl BlockId {
+    /// Length of every id, in bytes.
+    pub const LEN: usize = 16;
+
+    /// Builds an id from a slice, naming the offending length on error.
+    pub fn from_slice(bytes: &[u8]) -> crate::Result<Self> {
+        let arr: [u8; 16] = bytes.try_into().map_err(|_| {
+            crate::UcmError::invalid(format!(
+                "block id must be exactly 16 bytes, got {}",
+                bytes.len()
+            ))
+        })?;
+        Ok(BlockId(arr))
+    }
+
+    /// Lowercase hex of the 16 bytes in order (the on-disk file name).
+    pub fn hex(&self) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(32);
+        for b in self.0 {
+            s.push(HEX[(b >> 4) as usize] as char);
+            s.push(HEX[(b & 0xf) as usize] as char);
+        }
+        s
+    }
+
+    /// Parses 32 hex characters back into an id.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        if s.len() != 32 {
+            return None;
+        }
+        let mut out = [0u8; 16];
+        for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
+            let hi = (chunk[0] as char).to_digit(16)?;
+            let lo = (chunk[1] as char).to_digit(16)?;
+            out[i] = (hi * 16 + lo) as u8;
+        }
+        Some(BlockId(out))
+    }
+
+    /// A well-mixed 64-bit value taken from the id itself: ids are already
+    /// uniform hashes, so hashing them again would be wasted work.
+    pub fn prefix_u64(&self) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.0[..8]);
+        u64::from_le_bytes(b)
+    }
+}
+
+impl fmt::Debug for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockId({})", self.hex())
+    }
+}
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.hex())
+    }
+}
+
+/// One contiguous piece of caller memory (a tensor, or part of one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemSeg {
+    /// Start address in this process.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// One shard of one block to move between caller memory and a store: the
+/// shard's bytes are the concatenation of `segs` in order.
+#[derive(Clone, Debug)]
+pub struct ShardIo {
+    /// Block the shard belongs to.
+    pub block: BlockId,
+    /// Shard index inside the block (`0..block_size/shard_size`).
+    pub index: usize,
+    /// Caller memory making up the shard, in order.
+    pub segs: Vec<MemSeg>,
+}
+
+impl ShardIo {
+    /// Total bytes described by `segs`.
+    pub fn len(&self) -> usize {
+        self.segs.iter().map(|s| s.len).sum()
+    }
+
+    /// True when the shard describes no memory.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trip() {
+        let id = BlockId([0xab; 16]);
+        assert_eq!(id.hex(), "ab".repeat(16));
+        assert_eq!(BlockId::from_hex(&id.hex()), Some(id));
+        assert_eq!(BlockId::from_hex("zz"), None);
+        assert!(BlockId::from_slice(&[0u8; 15]).is_err());
+    }
+}

@@ -1,0 +1,1 @@
+//! Chained block hashing (implemented by the hashing work item).

@@ -1,0 +1,50 @@
+//! KV block stores.
+//!
+//! Every store implements the one [`Store`] trait: the v1 API of the original
+//! UCM (lookup, prefix lookup, prefetch, asynchronous load/dump returning a
+//! task handle, wait, check). Built-in stores: [`posix::PosixStore`] (one file
+//! per block on local or mounted file systems) and [`empty::EmptyStore`].
+
+use crate::block::{BlockId, ShardIo};
+use crate::error::Result;
+use crate::task::TaskId;
+
+pub mod empty;
+pub mod posix;
+
+pub use empty::EmptyStore;
+pub use posix::{PosixConfig, PosixStore};
+
+/// The store interface. All methods are thread-safe.
+pub trait Store: Send + Sync {
+    /// Human-readable store name (`"Posix"`, `"Empty"`).
+    fn name(&self) -> &'static str;
+
+    /// Presence of each block, independently of the others.
+    fn lookup(&self, ids: &[BlockId]) -> Result<Vec<bool>>;
+
+    /// Index of the last block of the longest present prefix, -1 if the
+    /// first block is missing.
+    fn lookup_on_prefix(&self, ids: &[BlockId]) -> Result<isize>;
+
+    /// Hint that these blocks will be loaded soon. Never fails on misses.
+    fn prefetch(&self, ids: &[BlockId]) -> Result<()>;
+
+    /// Starts copying the given shards from the store into caller memory.
+    fn load(&self, shards: Vec<ShardIo>) -> Result<TaskId>;
+
+    /// Starts copying the given shards from caller memory into the store.
+    /// `prerequisite` is an event handle to wait on before reading device
+    /// memory (0 = none); host-memory stores ignore it.
+    fn dump(&self, shards: Vec<ShardIo>, prerequisite: u64) -> Result<TaskId>;
+
+    /// Blocks until the task finishes; consumes the handle.
+    fn wait(&self, task: TaskId) -> Result<()>;
+
+    /// True when the task finished (successfully or not); never blocks.
+    fn check(&self, task: TaskId) -> Result<bool>;
+
+    /// Finishes in-flight work and stops the store's threads. Later calls
+    /// fail with `Closed`. Idempotent.
+    fn close(&self) -> Result<()>;
+}

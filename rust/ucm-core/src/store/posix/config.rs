@@ -1,0 +1,153 @@
+//! Configuration of the Posix store and its validation.
+
+use std::path::PathBuf;
+
+use crate::error::{Result, UcmError};
+use crate::io::IoEngineKind;
+
+/// Most shards a block may have (the header stores the count as u32; this
+/// keeps the per-block bookkeeping small).
+pub const MAX_SHARDS: usize = 65_536;
+
+/// Posix store settings. Field names match the config keys.
+#[derive(Clone, Debug)]
+pub struct PosixConfig {
+    /// Root directories; blocks spread across them by id.
+    pub storage_backends: Vec<PathBuf>,
+    /// Bytes of one whole block (all shards).
+    pub block_size: usize,
+    /// Bytes of one shard; divides `block_size`.
+    pub shard_size: usize,
+    /// Sizes of the tensors making up one shard; sums to `shard_size`.
+    pub tensor_size_list: Vec<usize>,
+    /// Open files with O_DIRECT.
+    pub io_direct: bool,
+    /// Which I/O engine.
+    pub io_engine: IoEngineKind,
+    /// Worker threads preparing transfers and engine threads (see the docs
+    /// of `IoEngineConfig::threads`).
+    pub io_threads: usize,
+    /// Task timeout from submit, 0 = none.
+    pub timeout_ms: u64,
+    /// Capacity in bytes above which the least recently used blocks are
+    /// evicted; 0 = unbounded.
+    pub capacity_bytes: u64,
+    /// -1: lookup-only role (load and dump refused); >= 0: transfers on.
+    pub device_id: i64,
+}
+
+impl Default for PosixConfig {
+    fn default() -> Self {
+        PosixConfig {
+            storage_backends: Vec::new(),
+            block_size: 0,
+            shard_size: 0,
+            tensor_size_list: Vec::new(),
+            io_direct: false,
+            io_engine: IoEngineKind::Auto,
+            io_threads: 4,
+            timeout_ms: 30_000,
+            capacity_bytes: 0,
+            device_id: 0,
+        }
+    }
+}
+
+impl PosixConfig {
+    /// Checks sizes and directories; errors name the key and the value.
+    pub fn validate(&self) -> Result<()> {
+        if self.storage_backends.is_empty() {
+            return Err(UcmError::invalid("storage_backends: at least one directory is required"));
+        }
+        for (i, dir) in self.storage_backends.iter().enumerate() {
+            let meta = std::fs::metadata(dir).map_err(|e| {
+                UcmError::invalid(format!(
+                    "storage_backends[{i}]: directory {} is not usable: {e}",
+                    dir.display()
+                ))
+            })?;
+            if !meta.is_dir() {
+                return Err(UcmError::invalid(format!(
+                    "storage_backends[{i}]: {} is not a directory",
+                    dir.display()
+                )));
+            }
+            if self.device_id >= 0 && !writable(dir) {
+                return Err(UcmError::invalid(format!(
+                    "storage_backends[{i}]: directory {} is not writable",
+                    dir.display()
+                )));
+            }
+        }
+        if self.shard_size == 0 {
+            return Err(UcmError::invalid("shard_size: must be > 0"));
+        }
+        if self.block_size == 0 || self.block_size % self.shard_size != 0 {
+            return Err(UcmError::invalid(format!(
+                "block_size: {} must be a positive multiple of shard_size {}",
+                self.block_size, self.shard_size
+            )));
+        }
+        if self.block_size / self.shard_size > MAX_SHARDS {
+            return Err(UcmError::invalid(format!(
+                "block_size / shard_size = {} shards; at most {MAX_SHARDS} are supported",
+                self.block_size / self.shard_size
+            )));
+        }
+        let sum: usize = self.tensor_size_list.iter().sum();
+        if self.tensor_size_list.is_empty() || self.tensor_size_list.contains(&0) || sum != self.shard_size {
+            return Err(UcmError::invalid(format!(
+                "tensor_size_list: sizes {:?} must be positive and sum to shard_size {} (they sum to {sum})",
+                self.tensor_size_list, self.shard_size
+            )));
+        }
+        if self.io_threads == 0 {
+            return Err(UcmError::invalid("io_threads: must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// True when loads and dumps are allowed.
+    pub fn transfers_enabled(&self) -> bool {
+        self.device_id >= 0
+    }
+}
+
+fn writable(dir: &std::path::Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) == 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base(dir: &std::path::Path) -> PosixConfig {
+        PosixConfig {
+            storage_backends: vec![dir.to_path_buf()],
+            block_size: 8192,
+            shard_size: 4096,
+            tensor_size_list: vec![2048, 2048],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(base(d.path()).validate().is_ok());
+        let mut c = base(d.path());
+        c.tensor_size_list = vec![1000];
+        assert!(c.validate().unwrap_err().to_string().contains("tensor_size_list"));
+        let mut c = base(d.path());
+        c.block_size = 5000;
+        assert!(c.validate().unwrap_err().to_string().contains("block_size"));
+        let mut c = base(d.path());
+        c.storage_backends = vec![d.path().join("missing")];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("storage_backends[0]") && e.contains("missing"), "{e}");
+    }
+}

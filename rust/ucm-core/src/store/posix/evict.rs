@@ -1,0 +1,100 @@
+//! The background thread of the Posix store: capacity eviction and the
+//! clean-up of blocks whose assembly was abandoned.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Shared;
+
+/// Wake-up reasons for the thread.
+#[derive(Default)]
+pub(super) struct Signal {
+    wake: bool,
+    stop: bool,
+}
+
+/// How often the thread looks at the store even when nobody woke it.
+const PERIOD: Duration = Duration::from_secs(5);
+/// Evict down to this share of the capacity, so eviction runs in batches.
+const LOW_WATERMARK: f64 = 0.9;
+
+pub(super) fn spawn(shared: Arc<Shared>) -> crate::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("ucm-posix-evict".into())
+        .spawn(move || run(&shared))
+        .map_err(|e| crate::UcmError::os("spawn thread", "ucm-posix-evict", e))
+}
+
+pub(super) fn wake(shared: &Shared) {
+    let (lock, cv) = &shared.evict_signal;
+    lock.lock().wake = true;
+    cv.notify_one();
+}
+
+pub(super) fn stop(shared: &Shared) {
+    let (lock, cv) = &shared.evict_signal;
+    lock.lock().stop = true;
+    cv.notify_one();
+}
+
+fn run(shared: &Shared) {
+    loop {
+        {
+            let (lock, cv) = &shared.evict_signal;
+            let mut sig = lock.lock();
+            if !sig.wake && !sig.stop {
+                cv.wait_for(&mut sig, PERIOD);
+            }
+            if sig.stop {
+                return;
+            }
+            sig.wake = false;
+        }
+        evict_over_capacity(shared);
+        drop_abandoned_writers(shared);
+    }
+}
+
+/// Evicts least-recently-used unpinned blocks until usage is back under the
+/// low watermark. Returns the number of blocks evicted.
+pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
+    let cap = shared.cfg.capacity_bytes;
+    let used = shared.index.used_bytes();
+    if cap == 0 || used <= cap {
+        return 0;
+    }
+    let target = (cap as f64 * LOW_WATERMARK) as u64;
+    let mut evicted = 0;
+    for id in shared.index.coldest(used - target) {
+        if shared.index.remove_if_unpinned(&id).is_some() {
+            let _ = std::fs::remove_file(shared.paths.block(&id));
+            evicted += 1;
+        }
+    }
+    shared
+        .counters
+        .evictions
+        .fetch_add(evicted as u64, std::sync::atomic::Ordering::Relaxed);
+    log::debug!("evicted {evicted} block(s); {} byte(s) in use", shared.index.used_bytes());
+    evicted
+}
+
+/// A block whose shards stopped arriving (a layer-wise dump cut short)
+/// would hold its temporary file forever: after twice the task timeout
+/// (at least a minute) of inactivity it is dropped.
+fn drop_abandoned_writers(shared: &Shared) {
+    let idle = Duration::from_millis(shared.cfg.timeout_ms.saturating_mul(2)).max(Duration::from_secs(60));
+    let stale: Vec<_> = shared
+        .writers
+        .lock()
+        .values()
+        .filter(|w| w.is_stale(idle))
+        .cloned()
+        .collect();
+    for w in stale {
+        w.abandon();
+        shared.forget_writer(&w);
+        let _ = std::fs::remove_file(&w.tmp);
+        log::warn!("dropped the incomplete block {} after {:?} without progress", w.block, idle);
+    }
+}

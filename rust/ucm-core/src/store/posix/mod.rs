@@ -1,0 +1,708 @@
+//! The Posix store: one file per block on local (or mounted) file systems.
+//!
+//! * Layout and file format: [`files`] and [`layout`].
+//! * Visibility: a block is written under a temporary name and renamed when
+//!   all its shards are in ([`writer`]); readers only ever open final names,
+//!   so they never see a partial block, and a killed writer leaves only a
+//!   temporary that the next start removes ([`scan`]).
+//! * Durability: the commit does not fsync. A crash can at worst leave a
+//!   published file whose pages never reached the disk; every load verifies
+//!   the shard's header and checksum, so such a file is a load error (and is
+//!   removed), never wrong bytes. This keeps dumps at disk speed.
+//! * Lookups: an in-memory [`index`]; an index miss falls back to one `stat`
+//!   so blocks written by other processes sharing the directory (vLLM's
+//!   workers, another engine) are found too.
+//! * Capacity: above `capacity_bytes` a background thread evicts the least
+//!   recently used unpinned blocks down to 90 % of it ([`evict`]).
+
+mod config;
+mod evict;
+pub mod files;
+pub mod index;
+pub mod layout;
+pub mod scan;
+mod writer;
+
+pub use config::{PosixConfig, MAX_SHARDS};
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+
+use self::files::{DirectAlign, Opener, Paths};
+use self::index::Index;
+use self::layout::{checksum_segs, round_up, Layout, ShardHeader, HEADER_LEN, REGION_ALIGN};
+use self::writer::{BlockWriter, Claim};
+use super::Store;
+use crate::block::{BlockId, MemSeg, ShardIo};
+use crate::error::{Result, UcmError};
+use crate::io::{build_engine, AlignedBuf, IoEngine, IoEngineConfig, IoOp, IoRequest};
+use crate::task::{Task, TaskId, TaskRegistry, WorkerPool};
+
+/// Counters of one store's activity since it was opened.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PosixStats {
+    /// Committed blocks in the index.
+    pub blocks: u64,
+    /// Bytes those blocks hold on disk.
+    pub used_bytes: u64,
+    /// Shards loaded successfully.
+    pub shards_loaded: u64,
+    /// Shards written successfully.
+    pub shards_dumped: u64,
+    /// Blocks published.
+    pub blocks_committed: u64,
+    /// Blocks evicted for capacity.
+    pub evictions: u64,
+    /// Loads that failed verification.
+    pub corrupt_loads: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    shards_loaded: AtomicU64,
+    shards_dumped: AtomicU64,
+    blocks_committed: AtomicU64,
+    evictions: AtomicU64,
+    corrupt_loads: AtomicU64,
+}
+
+/// State shared by the caller threads, the workers and I/O completions.
+/// Holds no thread handles, so it may be dropped on any thread.
+struct Shared {
+    cfg: PosixConfig,
+    layout: Layout,
+    paths: Paths,
+    opener: Opener,
+    align: DirectAlign,
+    index: Arc<Index>,
+    writers: Mutex<std::collections::HashMap<BlockId, Arc<BlockWriter>>>,
+    tasks: TaskRegistry,
+    tmp_seq: AtomicU64,
+    zero_pad: AlignedBuf,
+    counters: Counters,
+    inflight: Mutex<usize>,
+    inflight_cv: Condvar,
+    evict_signal: (Mutex<evict::Signal>, Condvar),
+}
+
+struct Runtime {
+    engine: Arc<dyn IoEngine>,
+    workers: WorkerPool,
+    evictor: Option<JoinHandle<()>>,
+}
+
+/// One file per block under one or more directories.
+pub struct PosixStore {
+    shared: Arc<Shared>,
+    runtime: Mutex<Option<Runtime>>,
+    closed: AtomicBool,
+}
+
+impl PosixStore {
+    /// Validates `cfg`, prepares the directories, rebuilds the index from
+    /// what is on disk and starts the threads.
+    pub fn open(cfg: PosixConfig) -> Result<Self> {
+        cfg.validate()?;
+        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        let paths = Paths::new(cfg.storage_backends.clone());
+        if cfg.transfers_enabled() {
+            paths.create_dirs()?;
+        }
+        let align = cfg
+            .storage_backends
+            .iter()
+            .map(|d| files::direct_align(d))
+            .fold(DirectAlign { mem: 1, len: 1 }, |a, b| DirectAlign {
+                mem: a.mem.max(b.mem),
+                len: a.len.max(b.len),
+            });
+        let index = Arc::new(Index::default());
+        let report = scan::scan(&paths, &index, layout.file_len());
+        log::info!(
+            "posix store over {:?}: {} block(s), {} byte(s) found, {} stale temporary file(s) removed",
+            cfg.storage_backends,
+            report.blocks,
+            report.bytes,
+            report.removed_temps
+        );
+        let engine = build_engine(&IoEngineConfig {
+            kind: cfg.io_engine,
+            threads: if cfg.io_engine == crate::io::IoEngineKind::Psync {
+                cfg.io_threads
+            } else {
+                cfg.io_threads.div_ceil(4).max(1)
+            },
+            queue_depth: (cfg.io_threads * 16).clamp(32, 1024) as u32,
+            ..IoEngineConfig::default()
+        })?;
+        let shared = Arc::new(Shared {
+            opener: Opener::new(cfg.io_direct),
+            layout,
+            paths,
+            align,
+            index,
+            writers: Mutex::new(Default::default()),
+            tasks: TaskRegistry::new(cfg.timeout_ms),
+            tmp_seq: AtomicU64::new(0),
+            zero_pad: AlignedBuf::new(REGION_ALIGN),
+            counters: Counters::default(),
+            inflight: Mutex::new(0),
+            inflight_cv: Condvar::new(),
+            evict_signal: (Mutex::new(evict::Signal::default()), Condvar::new()),
+            cfg,
+        });
+        let workers = WorkerPool::new("ucm-posix", shared.cfg.io_threads)?;
+        let evictor = evict::spawn(shared.clone())?;
+        Ok(PosixStore {
+            shared,
+            runtime: Mutex::new(Some(Runtime {
+                engine,
+                workers,
+                evictor: Some(evictor),
+            })),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// Activity counters.
+    pub fn stats(&self) -> PosixStats {
+        let c = &self.shared.counters;
+        PosixStats {
+            blocks: self.shared.index.len() as u64,
+            used_bytes: self.shared.index.used_bytes(),
+            shards_loaded: c.shards_loaded.load(Ordering::Relaxed),
+            shards_dumped: c.shards_dumped.load(Ordering::Relaxed),
+            blocks_committed: c.blocks_committed.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
+            corrupt_loads: c.corrupt_loads.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The file geometry in use.
+    pub fn layout(&self) -> &Layout {
+        &self.shared.layout
+    }
+
+    /// Path of a block's published file (for tools and tests).
+    pub fn block_path(&self, id: &BlockId) -> std::path::PathBuf {
+        self.shared.paths.block(id)
+    }
+
+    /// The name of the I/O engine in use.
+    pub fn engine_name(&self) -> &'static str {
+        self.runtime.lock().as_ref().map_or("closed", |r| r.engine.name())
+    }
+
+    fn check_shards(&self, shards: &[ShardIo]) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        if !self.shared.cfg.transfers_enabled() {
+            return Err(UcmError::Unsupported(
+                "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
+            ));
+        }
+        let l = &self.shared.layout;
+        for (i, s) in shards.iter().enumerate() {
+            if s.index >= l.shard_count {
+                return Err(UcmError::invalid(format!(
+                    "shard_index[{i}] = {} is out of range: blocks have {} shard(s)",
+                    s.index, l.shard_count
+                )));
+            }
+            if s.len() != l.shard_size {
+                return Err(UcmError::invalid(format!(
+                    "shard {i} (block {}): tensors sum to {} bytes, expected shard_size {}",
+                    s.block,
+                    s.len(),
+                    l.shard_size
+                )));
+            }
+            if s.segs.iter().any(|g| g.addr == 0) {
+                return Err(UcmError::invalid(format!("shard {i}: null memory address")));
+            }
+        }
+        Ok(())
+    }
+
+    fn submit(&self, kind: &'static str, shards: Vec<ShardIo>) -> Result<TaskId> {
+        self.check_shards(&shards)?;
+        let rt = self.runtime.lock();
+        let rt = rt.as_ref().ok_or(UcmError::Closed)?;
+        let task = self.shared.tasks.create(kind, shards.len());
+        for shard in shards {
+            let shared = self.shared.clone();
+            let engine = rt.engine.clone();
+            let task = task.clone();
+            let job_task = task.clone();
+            let queued = rt.workers.spawn(move || {
+                if job_task.should_skip() {
+                    job_task.skip_unit();
+                    return;
+                }
+                let started = match kind {
+                    "load" => shared.start_load(&engine, &job_task, shard),
+                    _ => shared.start_dump(&engine, &job_task, shard),
+                };
+                if let Err(e) = started {
+                    job_task.complete_unit(Err(e));
+                }
+            });
+            if !queued {
+                task.complete_unit(Err(UcmError::Closed));
+            }
+        }
+        Ok(task.id())
+    }
+
+    fn present(&self, id: &BlockId) -> bool {
+        self.shared.present(id)
+    }
+}
+
+impl Shared {
+    fn present(&self, id: &BlockId) -> bool {
+        if self.index.touch(id) {
+            return true;
+        }
+        // Written by another process sharing the directory?
+        if scan::probe(&self.paths.block(id), self.layout.file_len()) {
+            self.index.insert(*id, self.layout.file_len(), None);
+            return true;
+        }
+        false
+    }
+
+    fn begin_io(&self) {
+        *self.inflight.lock() += 1;
+    }
+
+    fn end_io(&self) {
+        let mut n = self.inflight.lock();
+        *n -= 1;
+        if *n == 0 {
+            self.inflight_cv.notify_all();
+        }
+    }
+
+    /// Bytes of the data part of a region as written (padded to 4 KiB).
+    fn padded(&self) -> usize {
+        round_up(self.layout.shard_size, REGION_ALIGN)
+    }
+
+    fn header_for(&self, shard: &ShardIo, checksum: u64) -> ShardHeader {
+        ShardHeader {
+            block: shard.block,
+            index: shard.index as u32,
+            count: self.layout.shard_count as u32,
+            shard_size: self.layout.shard_size as u64,
+            fingerprint: self.layout.fingerprint,
+            checksum,
+        }
+    }
+
+    fn start_load(self: &Arc<Self>, engine: &Arc<dyn IoEngine>, task: &Arc<Task>, shard: ShardIo) -> Result<()> {
+        let path = self.paths.block(&shard.block);
+        let pin = match self.index.pin(&shard.block) {
+            Some(p) => p,
+            None if self.present(&shard.block) => self
+                .index
+                .pin(&shard.block)
+                .ok_or_else(|| UcmError::NotFound(format!("block {}", shard.block)))?,
+            None => {
+                return Err(UcmError::NotFound(format!(
+                    "block {} is not in the store",
+                    shard.block
+                )))
+            }
+        };
+        let open = match self.opener.read(&path) {
+            Ok(f) => f,
+            Err(e) => {
+                if e.code() == -50005 {
+                    // Evicted or deleted behind our back.
+                    self.index.remove(&shard.block);
+                }
+                return Err(e);
+            }
+        };
+        let size = self.layout.shard_size;
+        let bounce_needed = open.direct && !self.align.fits(&shard.segs);
+        let mut head = engine.bounce(if bounce_needed { HEADER_LEN + self.padded() } else { HEADER_LEN });
+        let mut iov = vec![MemSeg {
+            addr: head.as_mut_ptr() as usize,
+            len: if bounce_needed { HEADER_LEN + self.padded() } else { HEADER_LEN },
+        }];
+        if !bounce_needed {
+            iov.extend_from_slice(&shard.segs);
+        }
+        let fixed = if bounce_needed { head.fixed_index() } else { None };
+        let expected: usize = iov.iter().map(|s| s.len).sum();
+        let req = IoRequest {
+            op: IoOp::Read,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
+            offset: self.layout.offset(shard.index),
+            iov,
+            fixed,
+        };
+        let shared = self.clone();
+        let task = task.clone();
+        self.begin_io();
+        engine.submit(
+            req,
+            Box::new(move |res| {
+                let outcome = shared.finish_load(&shard, res, expected, &head[..], bounce_needed, size);
+                drop(open);
+                drop(pin);
+                drop(head);
+                if outcome.is_ok() {
+                    shared.counters.shards_loaded.fetch_add(1, Ordering::Relaxed);
+                }
+                task.complete_unit(outcome);
+                shared.end_io();
+            }),
+        );
+        Ok(())
+    }
+
+    fn finish_load(
+        &self,
+        shard: &ShardIo,
+        res: std::io::Result<usize>,
+        expected: usize,
+        head: &[u8],
+        bounced: bool,
+        size: usize,
+    ) -> Result<()> {
+        let path = || self.paths.block(&shard.block);
+        let verdict = match res {
+            Err(e) => Err(UcmError::os("read", path(), e)),
+            Ok(n) if n < expected => Err(UcmError::Corrupt(format!(
+                "block {} shard {}: file is truncated ({n} of {expected} bytes)",
+                shard.block, shard.index
+            ))),
+            Ok(_) => ShardHeader::decode_expect(head, &shard.block, shard.index, &self.layout)
+                .and_then(|hdr| {
+                    let sum = if bounced {
+                        xxhash_rust::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
+                    } else {
+                        // SAFETY: the caller guarantees the segments are valid
+                        // until its task completes, which happens after this.
+                        unsafe { checksum_segs(&shard.segs) }
+                    };
+                    if sum != hdr.checksum {
+                        return Err(UcmError::Corrupt(format!(
+                            "block {} shard {}: data checksum mismatch",
+                            shard.block, shard.index
+                        )));
+                    }
+                    Ok(())
+                }),
+        };
+        match verdict {
+            Ok(()) => {
+                if bounced {
+                    let mut off = HEADER_LEN;
+                    for s in &shard.segs {
+                        // SAFETY: destination valid per the caller's contract;
+                        // source is inside the bounce buffer we own.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(head[off..].as_ptr(), s.addr as *mut u8, s.len)
+                        };
+                        off += s.len;
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if !bounced {
+                    // Don't leave foreign or corrupt bytes in caller memory.
+                    for s in &shard.segs {
+                        // SAFETY: as above.
+                        unsafe { std::ptr::write_bytes(s.addr as *mut u8, 0, s.len) };
+                    }
+                }
+                if matches!(e, UcmError::Corrupt(_)) {
+                    self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
+                    // A corrupt file would fail every later load: drop it so
+                    // the next dump of this block rewrites it.
+                    self.index.remove(&shard.block);
+                    let _ = std::fs::remove_file(path());
+                    log::warn!("{e}; the block file was removed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn writer_for(&self, block: &BlockId) -> Arc<BlockWriter> {
+        let mut writers = self.writers.lock();
+        if let Some(w) = writers.get(block) {
+            if w.failure().is_none() {
+                return w.clone();
+            }
+        }
+        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        let w = Arc::new(BlockWriter::new(
+            *block,
+            self.paths.temp(block, seq),
+            self.layout.shard_count,
+        ));
+        writers.insert(*block, w.clone());
+        w
+    }
+
+    fn forget_writer(&self, w: &Arc<BlockWriter>) {
+        let mut writers = self.writers.lock();
+        if writers.get(&w.block).is_some_and(|cur| Arc::ptr_eq(cur, w)) {
+            writers.remove(&w.block);
+        }
+    }
+
+    fn start_dump(self: &Arc<Self>, engine: &Arc<dyn IoEngine>, task: &Arc<Task>, shard: ShardIo) -> Result<()> {
+        if self.index.contains(&shard.block) {
+            // Content-addressed: an existing block already holds these bytes.
+            task.complete_unit(Ok(()));
+            return Ok(());
+        }
+        let writer = self.writer_for(&shard.block);
+        match writer.claim(shard.index, task) {
+            Claim::Write => {}
+            Claim::AlreadyDone => {
+                task.complete_unit(Ok(()));
+                return Ok(());
+            }
+            Claim::Joined => return Ok(()),
+            Claim::Failed(e) => return Err(e),
+        }
+        match self.submit_write(engine, task, &writer, &shard) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let done = writer.finish(shard.index, &Err(e.clone()));
+                self.after_write(&writer, done, Err(e), task);
+                Ok(())
+            }
+        }
+    }
+
+    fn submit_write(
+        self: &Arc<Self>,
+        engine: &Arc<dyn IoEngine>,
+        task: &Arc<Task>,
+        writer: &Arc<BlockWriter>,
+        shard: &ShardIo,
+    ) -> Result<()> {
+        let open = self.opener.write(&writer.tmp)?;
+        let size = self.layout.shard_size;
+        let padded = self.padded();
+        let bounce_needed = open.direct && !self.align.fits(&shard.segs);
+        let head_len = if bounce_needed { HEADER_LEN + padded } else { HEADER_LEN };
+        let mut head = engine.bounce(head_len);
+        let checksum = if bounce_needed {
+            let mut off = HEADER_LEN;
+            for s in &shard.segs {
+                // SAFETY: source valid per the caller's contract; the
+                // destination range lies inside the bounce buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(s.addr as *const u8, head[off..].as_mut_ptr(), s.len)
+                };
+                off += s.len;
+            }
+            head[HEADER_LEN + size..head_len].fill(0);
+            xxhash_rust::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
+        } else {
+            // SAFETY: valid per the caller's contract.
+            unsafe { checksum_segs(&shard.segs) }
+        };
+        head[..HEADER_LEN].fill(0);
+        self.header_for(shard, checksum).encode(&mut head[..HEADER_LEN]);
+        let mut iov = vec![MemSeg {
+            addr: head.as_mut_ptr() as usize,
+            len: head_len,
+        }];
+        if !bounce_needed {
+            iov.extend_from_slice(&shard.segs);
+            if padded > size {
+                iov.push(MemSeg {
+                    addr: self.zero_pad.as_ptr() as usize,
+                    len: padded - size,
+                });
+            }
+        }
+        let fixed = if bounce_needed { head.fixed_index() } else { None };
+        let expected: usize = iov.iter().map(|s| s.len).sum();
+        let req = IoRequest {
+            op: IoOp::Write,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
+            offset: self.layout.offset(shard.index),
+            iov,
+            fixed,
+        };
+        let shared = self.clone();
+        let task = task.clone();
+        let writer = writer.clone();
+        let index = shard.index;
+        self.begin_io();
+        engine.submit(
+            req,
+            Box::new(move |res| {
+                drop(head);
+                drop(open);
+                let result = match res {
+                    Ok(n) if n == expected => Ok(()),
+                    Ok(n) => Err(UcmError::Os {
+                        op: "pwrite",
+                        path: writer.tmp.display().to_string(),
+                        source: Arc::new(std::io::Error::other(format!(
+                            "short write: {n} of {expected} bytes"
+                        ))),
+                    }),
+                    Err(e) => Err(UcmError::os("pwrite", &writer.tmp, e)),
+                };
+                if result.is_ok() {
+                    shared.counters.shards_dumped.fetch_add(1, Ordering::Relaxed);
+                }
+                let done = writer.finish(index, &result);
+                shared.after_write(&writer, done, result, &task);
+                shared.end_io();
+            }),
+        );
+        Ok(())
+    }
+
+    /// Publishes or discards the block as the write outcome says, then
+    /// completes the writing task and every task that joined the write.
+    fn after_write(
+        &self,
+        writer: &Arc<BlockWriter>,
+        done: writer::Finished,
+        result: Result<()>,
+        task: &Arc<Task>,
+    ) {
+        let mut outcome = result;
+        if done.complete {
+            outcome = self.commit(writer);
+            self.forget_writer(writer);
+        } else if done.failed_now {
+            self.forget_writer(writer);
+            let _ = std::fs::remove_file(&writer.tmp);
+        } else if outcome.is_ok() {
+            if let Some(e) = writer.failure() {
+                outcome = Err(e);
+            }
+        }
+        for t in done.joined {
+            t.complete_unit(outcome.clone());
+        }
+        task.complete_unit(outcome);
+    }
+
+    fn commit(&self, writer: &BlockWriter) -> Result<()> {
+        let dst = self.paths.block(&writer.block);
+        if let Err(e) = std::fs::rename(&writer.tmp, &dst) {
+            let _ = std::fs::remove_file(&writer.tmp);
+            return Err(UcmError::os("rename", &writer.tmp, e));
+        }
+        self.index.insert(writer.block, self.layout.file_len(), None);
+        self.counters.blocks_committed.fetch_add(1, Ordering::Relaxed);
+        if self.cfg.capacity_bytes > 0 && self.index.used_bytes() > self.cfg.capacity_bytes {
+            evict::wake(self);
+        }
+        Ok(())
+    }
+}
+
+impl Store for PosixStore {
+    fn name(&self) -> &'static str {
+        "Posix"
+    }
+
+    fn lookup(&self, ids: &[BlockId]) -> Result<Vec<bool>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        Ok(ids.iter().map(|id| self.present(id)).collect())
+    }
+
+    fn lookup_on_prefix(&self, ids: &[BlockId]) -> Result<isize> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        for (i, id) in ids.iter().enumerate() {
+            if !self.present(id) {
+                return Ok(i as isize - 1);
+            }
+        }
+        Ok(ids.len() as isize - 1)
+    }
+
+    fn prefetch(&self, ids: &[BlockId]) -> Result<()> {
+        let rt = self.runtime.lock();
+        let rt = rt.as_ref().ok_or(UcmError::Closed)?;
+        let paths: Vec<_> = ids
+            .iter()
+            .filter(|id| self.present(id))
+            .map(|id| self.shared.paths.block(id))
+            .collect();
+        // Ask the kernel to start reading the files into the page cache.
+        rt.workers.spawn(move || {
+            for p in paths {
+                if let Ok(f) = std::fs::File::open(&p) {
+                    // SAFETY: fd is open for the duration of the call.
+                    unsafe {
+                        libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, libc::POSIX_FADV_WILLNEED)
+                    };
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn load(&self, shards: Vec<ShardIo>) -> Result<TaskId> {
+        self.submit("load", shards)
+    }
+
+    fn dump(&self, shards: Vec<ShardIo>, _prerequisite: u64) -> Result<TaskId> {
+        self.submit("dump", shards)
+    }
+
+    fn wait(&self, task: TaskId) -> Result<()> {
+        self.shared.tasks.wait(task)
+    }
+
+    fn check(&self, task: TaskId) -> Result<bool> {
+        self.shared.tasks.check(task)
+    }
+
+    fn close(&self) -> Result<()> {
+        self.closed.store(true, Ordering::Release);
+        let Some(mut rt) = self.runtime.lock().take() else {
+            return Ok(());
+        };
+        // Order matters: workers first (no new I/O after they are joined),
+        // then in-flight I/O, then the evictor, and the engine last, from
+        // this thread, so no engine thread ever joins itself.
+        drop(rt.workers);
+        {
+            let mut n = self.shared.inflight.lock();
+            while *n > 0 {
+                self.shared.inflight_cv.wait(&mut n);
+            }
+        }
+        evict::stop(&self.shared);
+        if let Some(h) = rt.evictor.take() {
+            let _ = h.join();
+        }
+        drop(rt.engine);
+        Ok(())
+    }
+}
+
+impl Drop for PosixStore {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}

@@ -1,0 +1,379 @@
+//! Posix store behaviour on a real file system (a temporary directory on
+//! the build machine's disk), for both I/O engines and O_DIRECT on and off.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ucm_core::io::IoEngineKind;
+use ucm_core::store::{PosixConfig, PosixStore, Store};
+use ucm_core::{BlockId, MemSeg, ShardIo};
+
+const SHARD: usize = 64 * 1024;
+
+fn config(dir: &std::path::Path, engine: IoEngineKind, direct: bool) -> PosixConfig {
+    PosixConfig {
+        storage_backends: vec![dir.to_path_buf()],
+        block_size: SHARD * 4,
+        shard_size: SHARD,
+        tensor_size_list: vec![SHARD / 2, SHARD / 2],
+        io_direct: direct,
+        io_engine: engine,
+        io_threads: 4,
+        timeout_ms: 10_000,
+        ..Default::default()
+    }
+}
+
+fn id(n: u32) -> BlockId {
+    let mut b = [0u8; 16];
+    b[..4].copy_from_slice(&n.to_le_bytes());
+    b[8..12].copy_from_slice(&n.wrapping_mul(2_654_435_761).to_le_bytes());
+    BlockId(b)
+}
+
+/// A page-aligned buffer so O_DIRECT can use caller memory without bouncing.
+struct Buf {
+    mem: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Buf {
+    fn new(len: usize, misalign: usize) -> Self {
+        let mem = vec![0u8; len + 8192];
+        let base = mem.as_ptr() as usize;
+        let off = (4096 - base % 4096) % 4096 + misalign;
+        Buf { mem, off, len }
+    }
+    fn filled(len: usize, seed: u32, misalign: usize) -> Self {
+        let mut b = Buf::new(len, misalign);
+        for (i, x) in b.slice_mut().iter_mut().enumerate() {
+            *x = (i as u32).wrapping_mul(31).wrapping_add(seed.wrapping_mul(7919)) as u8;
+        }
+        b
+    }
+    fn slice(&self) -> &[u8] {
+        &self.mem[self.off..self.off + self.len]
+    }
+    fn slice_mut(&mut self) -> &mut [u8] {
+        let (o, l) = (self.off, self.len);
+        &mut self.mem[o..o + l]
+    }
+    fn shard(&self, block: BlockId, index: usize) -> ShardIo {
+        let a = self.slice().as_ptr() as usize;
+        ShardIo {
+            block,
+            index,
+            segs: vec![
+                MemSeg { addr: a, len: self.len / 2 },
+                MemSeg { addr: a + self.len / 2, len: self.len / 2 },
+            ],
+        }
+    }
+}
+
+fn each_mode(f: impl Fn(IoEngineKind, bool)) {
+    for engine in [IoEngineKind::Psync, IoEngineKind::Uring] {
+        for direct in [false, true] {
+            f(engine, direct);
+        }
+    }
+}
+
+#[test]
+fn round_trip_all_engines_and_direct_modes() {
+    each_mode(|engine, direct| {
+        for misalign in [0usize, 64] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+            let ids: Vec<BlockId> = (0..8).map(id).collect();
+            assert_eq!(store.lookup(&ids).unwrap(), vec![false; 8]);
+            let srcs: Vec<Vec<Buf>> = (0..8)
+                .map(|b| (0..4).map(|s| Buf::filled(SHARD, b * 10 + s, misalign)).collect())
+                .collect();
+            let shards: Vec<ShardIo> = ids
+                .iter()
+                .zip(&srcs)
+                .flat_map(|(i, bufs)| bufs.iter().enumerate().map(move |(s, b)| b.shard(*i, s)))
+                .collect();
+            let t = store.dump(shards, 0).unwrap();
+            store.wait(t).unwrap();
+            assert_eq!(store.lookup(&ids).unwrap(), vec![true; 8]);
+            assert_eq!(store.lookup_on_prefix(&ids).unwrap(), 7);
+            let dsts: Vec<Vec<Buf>> = (0..8)
+                .map(|_| (0..4).map(|_| Buf::new(SHARD, misalign)).collect())
+                .collect();
+            let shards: Vec<ShardIo> = ids
+                .iter()
+                .zip(&dsts)
+                .flat_map(|(i, bufs)| bufs.iter().enumerate().map(move |(s, b)| b.shard(*i, s)))
+                .collect();
+            let t = store.load(shards).unwrap();
+            store.wait(t).unwrap();
+            for (a, b) in srcs.iter().flatten().zip(dsts.iter().flatten()) {
+                assert!(a.slice() == b.slice(), "mismatch engine={engine:?} direct={direct}");
+            }
+            let st = store.stats();
+            assert_eq!(st.blocks_committed, 8);
+            assert_eq!(st.shards_loaded, 32);
+        }
+    });
+}
+
+#[test]
+fn lookup_is_per_block_and_prefix_stops_at_first_miss() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let present = [0u32, 1, 3];
+    let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+    for p in present {
+        let shards = (0..4).map(|s| bufs[s].shard(id(p), s)).collect();
+        let t = store.dump(shards, 0).unwrap();
+        store.wait(t).unwrap();
+    }
+    let ids: Vec<BlockId> = (0..5).map(id).collect();
+    assert_eq!(store.lookup(&ids).unwrap(), vec![true, true, false, true, false]);
+    assert_eq!(store.lookup_on_prefix(&ids).unwrap(), 1);
+    assert_eq!(store.lookup_on_prefix(&ids[2..]).unwrap(), -1);
+    assert_eq!(store.lookup_on_prefix(&[]).unwrap(), -1);
+}
+
+#[test]
+fn block_invisible_until_all_shards_written_in_any_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(config(dir.path(), IoEngineKind::Uring, true)).unwrap();
+    let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+    // Layer-wise: one task per shard, out of order; the last index is NOT last.
+    for s in [3usize, 0, 2] {
+        let t = store.dump(vec![bufs[s].shard(id(9), s)], 0).unwrap();
+        store.wait(t).unwrap();
+        assert_eq!(store.lookup(&[id(9)]).unwrap(), vec![false], "visible after shard {s}");
+    }
+    let t = store.dump(vec![bufs[1].shard(id(9), 1)], 0).unwrap();
+    store.wait(t).unwrap();
+    assert_eq!(store.lookup(&[id(9)]).unwrap(), vec![true]);
+    let out: Vec<Buf> = (0..4).map(|_| Buf::new(SHARD, 0)).collect();
+    let t = store.load((0..4).map(|s| out[s].shard(id(9), s)).collect()).unwrap();
+    store.wait(t).unwrap();
+    for s in 0..4 {
+        assert_eq!(out[s].slice(), bufs[s].slice());
+    }
+}
+
+#[test]
+fn concurrent_writers_of_one_block_leave_one_whole_block() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two independent stores on one directory stand for two processes.
+    let a = Arc::new(PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap());
+    let b = Arc::new(PosixStore::open(config(dir.path(), IoEngineKind::Uring, false)).unwrap());
+    let bufs: Arc<Vec<Buf>> = Arc::new((0..4).map(|s| Buf::filled(SHARD, s, 0)).collect());
+    let mut handles = Vec::new();
+    for (k, store) in [a.clone(), b.clone(), a.clone(), b.clone()].into_iter().enumerate() {
+        let bufs = bufs.clone();
+        handles.push(std::thread::spawn(move || {
+            for round in 0..20u32 {
+                let shards = (0..4).map(|s| bufs[s].shard(id(100 + round), s)).collect();
+                let t = store.dump(shards, 0).unwrap();
+                store.wait(t).unwrap();
+                let _ = k;
+            }
+        }));
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    for round in 0..20u32 {
+        for store in [&a, &b] {
+            let out: Vec<Buf> = (0..4).map(|_| Buf::new(SHARD, 0)).collect();
+            let t = store.load((0..4).map(|s| out[s].shard(id(100 + round), s)).collect()).unwrap();
+            store.wait(t).unwrap();
+            for s in 0..4 {
+                assert_eq!(out[s].slice(), bufs[s].slice());
+            }
+        }
+    }
+    // No temporaries left behind.
+    let leftovers = walk(dir.path()).into_iter().filter(|p| p.contains(".tmp.")).count();
+    assert_eq!(leftovers, 0);
+}
+
+fn walk(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.path().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path().display().to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn checksum_failure_is_a_load_error_and_clears_the_destination() {
+    each_mode(|engine, direct| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+        let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+        let t = store.dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0).unwrap();
+        store.wait(t).unwrap();
+        // Flip one data byte of shard 2.
+        let path = store.block_path(&id(1));
+        let mut raw = std::fs::read(&path).unwrap();
+        let off = store.layout().offset(2) as usize + 4096 + 100;
+        raw[off] ^= 0xff;
+        std::fs::write(&path, raw).unwrap();
+        let mut out = Buf::filled(SHARD, 77, 0);
+        let t = store.load(vec![out.shard(id(1), 2)]).unwrap();
+        let err = store.wait(t).unwrap_err();
+        assert_eq!(err.code(), -50011, "{err}");
+        assert!(out.slice_mut().iter().all(|&x| x == 0), "caller memory not cleared");
+        // The corrupt block is dropped so it can be written again.
+        assert_eq!(store.lookup(&[id(1)]).unwrap(), vec![false]);
+        assert_eq!(store.stats().corrupt_loads, 1);
+    });
+}
+
+#[test]
+fn foreign_block_and_other_layout_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+    let t = store.dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0).unwrap();
+    store.wait(t).unwrap();
+    // Copy block 1's file under block 2's name: a "foreign" block.
+    std::fs::create_dir_all(store.block_path(&id(2)).parent().unwrap()).unwrap();
+    std::fs::copy(store.block_path(&id(1)), store.block_path(&id(2))).unwrap();
+    let out = Buf::new(SHARD, 0);
+    let t = store.load(vec![out.shard(id(2), 0)]).unwrap();
+    let err = store.wait(t).unwrap_err();
+    assert!(err.to_string().contains("foreign"), "{err}");
+    drop(store);
+    // Same bytes, store configured with other tensor sizes: layout mismatch.
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
+    cfg.tensor_size_list = vec![SHARD];
+    let other = PosixStore::open(cfg).unwrap();
+    let t = other
+        .load(vec![ShardIo {
+            block: id(1),
+            index: 0,
+            segs: vec![MemSeg { addr: out.slice().as_ptr() as usize, len: SHARD }],
+        }])
+        .unwrap();
+    let err = other.wait(t).unwrap_err();
+    assert!(err.to_string().contains("another layout"), "{err}");
+}
+
+#[test]
+fn missing_block_load_fails_with_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(config(dir.path(), IoEngineKind::Uring, false)).unwrap();
+    let out = Buf::new(SHARD, 0);
+    let t = store.load(vec![out.shard(id(5), 0)]).unwrap();
+    assert_eq!(store.wait(t).unwrap_err().code(), -50005);
+}
+
+#[test]
+fn capacity_evicts_least_recently_used_and_restart_restores_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
+    let file_len = {
+        let s = PosixStore::open(cfg.clone()).unwrap();
+        s.layout().file_len()
+    };
+    cfg.capacity_bytes = file_len * 10;
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+    let put = |store: &PosixStore, n: u32| {
+        let t = store.dump((0..4).map(|s| bufs[s].shard(id(n), s)).collect(), 0).unwrap();
+        store.wait(t).unwrap();
+    };
+    for n in 0..10 {
+        put(&store, n);
+    }
+    // Refresh block 0: it must survive the eviction of the oldest blocks.
+    assert!(store.lookup(&[id(0)]).unwrap()[0]);
+    for n in 10..14 {
+        put(&store, n);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while store.stats().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let st = store.stats();
+    assert!(st.used_bytes <= cfg.capacity_bytes, "{st:?}");
+    assert!(st.evictions >= 4, "{st:?}");
+    let present = store.lookup(&(0..14).map(id).collect::<Vec<_>>()).unwrap();
+    assert!(present[0], "recently used block was evicted: {present:?}");
+    assert!(!present[1], "oldest block survived: {present:?}");
+    assert!(present[13]);
+    let kept = present.iter().filter(|p| **p).count();
+    drop(store);
+    // Restart: contents and usage come back from the directory.
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    let st = store.stats();
+    assert_eq!(st.blocks as usize, kept);
+    assert_eq!(st.used_bytes, kept as u64 * file_len);
+    let out = Buf::new(SHARD, 0);
+    let t = store.load(vec![out.shard(id(13), 3)]).unwrap();
+    store.wait(t).unwrap();
+    assert_eq!(out.slice(), bufs[3].slice());
+}
+
+#[test]
+fn lookup_only_role_refuses_transfers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
+    cfg.device_id = -1;
+    let store = PosixStore::open(cfg).unwrap();
+    let b = Buf::new(SHARD, 0);
+    let err = store.dump(vec![b.shard(id(1), 0)], 0).unwrap_err();
+    assert_eq!(err.code(), -50008);
+    assert!(err.to_string().contains("device_id"));
+}
+
+#[test]
+fn bad_shards_are_rejected_at_submit() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let b = Buf::new(SHARD, 0);
+    let mut s = b.shard(id(1), 0);
+    s.segs.pop();
+    let err = store.dump(vec![s], 0).unwrap_err();
+    assert!(err.to_string().contains("shard_size"), "{err}");
+    let err = store.load(vec![b.shard(id(1), 4)]).unwrap_err();
+    assert!(err.to_string().contains("out of range"), "{err}");
+}
+
+#[test]
+fn timeout_fails_the_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
+    cfg.timeout_ms = 1;
+    cfg.io_threads = 1;
+    let store = PosixStore::open(cfg).unwrap();
+    let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+    // Many blocks on one thread cannot finish within 1 ms.
+    let shards: Vec<ShardIo> = (0..400u32)
+        .flat_map(|n| bufs.iter().enumerate().map(move |(s, b)| b.shard(id(n), s)))
+        .collect();
+    let t = store.dump(shards, 0).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let err = store.wait(t).unwrap_err();
+    assert_eq!(err.code(), -50010, "{err}");
+    // Whatever was committed is whole.
+    let ids: Vec<BlockId> = (0..400).map(id).collect();
+    let present = store.lookup(&ids).unwrap();
+    assert!(present.iter().filter(|p| **p).count() < 400);
+    for (n, p) in present.iter().enumerate() {
+        if *p {
+            let out = Buf::new(SHARD, 0);
+            let t = store.load(vec![out.shard(id(n as u32), 3)]).unwrap();
+            // With a 1 ms timeout a single load may itself time out on a slow
+            // machine; a success must return the whole shard.
+            if store.wait(t).is_ok() {
+                assert_eq!(out.slice(), bufs[3].slice());
+            }
+        }
+    }
+}

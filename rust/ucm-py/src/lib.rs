@@ -1,0 +1,24 @@
+//! Python bindings of `ucm-core`, exposed as `ucm._native`.
+//!
+//! This crate only converts arguments, releases the GIL around blocking core
+//! calls and maps [`ucm_core::UcmError`] to Python exceptions; all behaviour
+//! lives in `ucm-core`.
+
+use pyo3::prelude::*;
+
+mod errors;
+mod hashing;
+mod store;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Rust `log` records go to Python's `logging` under the "ucm" logger
+    // hierarchy (the target `ucm_core::...` becomes `ucm.core...`).
+    let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
+        .filter_target("ucm_core".to_owned(), log::LevelFilter::Trace)
+        .install();
+    errors::register(m)?;
+    hashing::register(m)?;
+    store::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,410 @@
+//! `NativeStore`: the Python face of the core's stores.
+//!
+//! Converts ids, shard indices and memory descriptions into owned Rust
+//! values, then runs the core call with the GIL released. The caller's
+//! Python wrapper (`ucm.store`) keeps tensors alive until `wait`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use ucm_core::io::IoEngineKind;
+use ucm_core::store::{EmptyStore, PosixConfig, PosixStore, Store};
+use ucm_core::{BlockId, MemSeg, ShardIo};
+
+use crate::errors::{invalid, IntoPyResult};
+
+/// A store implemented in Rust (`Posix`, `Empty`).
+#[pyclass(name = "NativeStore", module = "ucm._native", frozen)]
+pub struct PyStore {
+    store: Arc<dyn Store>,
+    posix: Option<Arc<PosixStore>>,
+}
+
+/// Parses block ids: a sequence of 16-byte `bytes`, or a C-contiguous
+/// uint8 buffer of shape (n, 16).
+fn parse_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    if let Ok(list) = ids.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(one_id(&item, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = ids.cast::<PyTuple>() {
+        let mut out = Vec::with_capacity(tuple.len());
+        for (i, item) in tuple.iter().enumerate() {
+            out.push(one_id(&item, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(buf) = PyBuffer::<u8>::get(ids) {
+        let shape = buf.shape();
+        if shape.len() != 2 || shape[1] != 16 || !buf.is_c_contiguous() {
+            return Err(invalid(format!(
+                "block_ids array must be C-contiguous uint8 of shape (n, 16), got shape {shape:?}"
+            )));
+        }
+        let bytes = buf.to_vec(ids.py())?;
+        return Ok(bytes
+            .chunks_exact(16)
+            .map(|c| {
+                let mut a = [0u8; 16];
+                a.copy_from_slice(c);
+                BlockId(a)
+            })
+            .collect());
+    }
+    let mut out = Vec::new();
+    for (i, item) in ids.try_iter()?.enumerate() {
+        out.push(one_id(&item?, i)?);
+    }
+    Ok(out)
+}
+
+fn one_id(item: &Bound<'_, PyAny>, i: usize) -> PyResult<BlockId> {
+    let bytes = item.cast::<PyBytes>().map_err(|_| {
+        invalid(format!(
+            "block_ids[{i}] must be bytes, got {}",
+            item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    let b = bytes.as_bytes();
+    if b.len() != 16 {
+        return Err(invalid(format!(
+            "block_ids[{i}] must be exactly 16 bytes, got {}",
+            b.len()
+        )));
+    }
+    let mut a = [0u8; 16];
+    a.copy_from_slice(b);
+    Ok(BlockId(a))
+}
+
+fn parse_indices(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<usize>> {
+    let v: Vec<i64> = if let Ok(buf) = PyBuffer::<i64>::get(obj) {
+        buf.to_vec(obj.py())?
+    } else {
+        obj.extract()
+            .map_err(|_| invalid("shard_index must be a sequence of ints"))?
+    };
+    if v.len() != n {
+        return Err(invalid(format!(
+            "shard_index has {} entries but block_ids has {n}; they must match",
+            v.len()
+        )));
+    }
+    v.into_iter()
+        .enumerate()
+        .map(|(i, x)| {
+            usize::try_from(x).map_err(|_| invalid(format!("shard_index[{i}] = {x} is negative")))
+        })
+        .collect()
+}
+
+fn u64_matrix(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<u64>, usize, usize)> {
+    let buf = PyBuffer::<u64>::get(obj).map_err(|_| {
+        invalid(format!(
+            "{what} must be a 2-D uint64 array (numpy.ndarray of dtype uint64)"
+        ))
+    })?;
+    let shape = buf.shape().to_vec();
+    if shape.len() != 2 || !buf.is_c_contiguous() {
+        return Err(invalid(format!(
+            "{what} must be a C-contiguous 2-D uint64 array, got shape {shape:?}"
+        )));
+    }
+    Ok((buf.to_vec(obj.py())?, shape[0], shape[1]))
+}
+
+/// Builds shard descriptions from a (rows, cols) address matrix; column
+/// `j` of every row is `sizes[j]` bytes.
+fn shards_from_addrs(
+    ids: Vec<BlockId>,
+    idx: Vec<usize>,
+    addrs: &[u64],
+    cols: usize,
+    sizes: &[usize],
+) -> PyResult<Vec<ShardIo>> {
+    if sizes.len() != cols {
+        return Err(invalid(format!(
+            "address rows have {cols} column(s) but the store's tensor_size_list has {} entries",
+            sizes.len()
+        )));
+    }
+    Ok(ids
+        .into_iter()
+        .zip(idx)
+        .enumerate()
+        .map(|(r, (block, index))| ShardIo {
+            block,
+            index,
+            segs: (0..cols)
+                .map(|c| MemSeg {
+                    addr: addrs[r * cols + c] as usize,
+                    len: sizes[c],
+                })
+                .collect(),
+        })
+        .collect())
+}
+
+/// Builds shard descriptions from per-row (pointer, length) lists given in
+/// CSR form: row `r` is `ptrs[offsets[r]..offsets[r+1]]`.
+fn shards_from_segs(
+    ids: Vec<BlockId>,
+    idx: Vec<usize>,
+    ptrs: Vec<u64>,
+    lens: Vec<u64>,
+    offsets: Vec<u64>,
+) -> PyResult<Vec<ShardIo>> {
+    if offsets.len() != ids.len() + 1 || ptrs.len() != lens.len() {
+        return Err(invalid("tensor description arrays are inconsistent"));
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for (r, (block, index)) in ids.into_iter().zip(idx).enumerate() {
+        let (a, b) = (offsets[r] as usize, offsets[r + 1] as usize);
+        if a > b || b > ptrs.len() {
+            return Err(invalid("tensor description offsets are out of range"));
+        }
+        out.push(ShardIo {
+            block,
+            index,
+            segs: (a..b)
+                .map(|k| MemSeg {
+                    addr: ptrs[k] as usize,
+                    len: lens[k] as usize,
+                })
+                .collect(),
+        });
+    }
+    Ok(out)
+}
+
+#[pymethods]
+impl PyStore {
+    /// Opens a Posix store. Arguments are the validated config fields.
+    #[staticmethod]
+    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0))]
+    #[allow(clippy::too_many_arguments)] // mirrors the config keys one to one
+    fn posix(
+        py: Python<'_>,
+        storage_backends: Vec<PathBuf>,
+        block_size: usize,
+        shard_size: usize,
+        tensor_size_list: Vec<usize>,
+        io_direct: bool,
+        io_engine: &str,
+        io_threads: usize,
+        timeout_ms: u64,
+        capacity_bytes: u64,
+        device_id: i64,
+    ) -> PyResult<Self> {
+        let kind: IoEngineKind = io_engine.parse().py_err()?;
+        let cfg = PosixConfig {
+            storage_backends,
+            block_size,
+            shard_size,
+            tensor_size_list,
+            io_direct,
+            io_engine: kind,
+            io_threads,
+            timeout_ms,
+            capacity_bytes,
+            device_id,
+        };
+        let store = Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?);
+        Ok(PyStore {
+            store: store.clone(),
+            posix: Some(store),
+        })
+    }
+
+    /// Opens an Empty store.
+    #[staticmethod]
+    #[pyo3(signature = (timeout_ms=30000))]
+    fn empty(timeout_ms: u64) -> Self {
+        PyStore {
+            store: Arc::new(EmptyStore::new(timeout_ms)),
+            posix: None,
+        }
+    }
+
+    /// The store's name.
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.store.name()
+    }
+
+    /// Presence of each block.
+    fn lookup(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let ids = parse_ids(block_ids)?;
+        let store = self.store.clone();
+        py.detach(move || store.lookup(&ids)).py_err()
+    }
+
+    /// Index of the last block of the longest present prefix, or -1.
+    fn lookup_on_prefix(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<isize> {
+        let ids = parse_ids(block_ids)?;
+        let store = self.store.clone();
+        py.detach(move || store.lookup_on_prefix(&ids)).py_err()
+    }
+
+    /// Background hint that the blocks will be loaded.
+    fn prefetch(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = parse_ids(block_ids)?;
+        let store = self.store.clone();
+        py.detach(move || store.prefetch(&ids)).py_err()
+    }
+
+    /// Starts a load into raw addresses: `addrs` is (n, k) uint64 and column
+    /// `j` is `sizes[j]` bytes.
+    fn load_addrs(
+        &self,
+        py: Python<'_>,
+        block_ids: &Bound<'_, PyAny>,
+        shard_index: &Bound<'_, PyAny>,
+        addrs: &Bound<'_, PyAny>,
+        sizes: Vec<usize>,
+    ) -> PyResult<u64> {
+        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes)?;
+        let store = self.store.clone();
+        py.detach(move || store.load(shards)).py_err()
+    }
+
+    /// Starts a dump from raw addresses (see `load_addrs`).
+    #[pyo3(signature = (block_ids, shard_index, addrs, sizes, prerequisite_handle=0))]
+    fn dump_addrs(
+        &self,
+        py: Python<'_>,
+        block_ids: &Bound<'_, PyAny>,
+        shard_index: &Bound<'_, PyAny>,
+        addrs: &Bound<'_, PyAny>,
+        sizes: Vec<usize>,
+        prerequisite_handle: u64,
+    ) -> PyResult<u64> {
+        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes)?;
+        let store = self.store.clone();
+        py.detach(move || store.dump(shards, prerequisite_handle)).py_err()
+    }
+
+    /// Starts a load into per-shard segment lists given in CSR form.
+    fn load_segs(
+        &self,
+        py: Python<'_>,
+        block_ids: &Bound<'_, PyAny>,
+        shard_index: &Bound<'_, PyAny>,
+        ptrs: Vec<u64>,
+        lens: Vec<u64>,
+        offsets: Vec<u64>,
+    ) -> PyResult<u64> {
+        let ids = parse_ids(block_ids)?;
+        let idx = parse_indices(shard_index, ids.len())?;
+        let shards = shards_from_segs(ids, idx, ptrs, lens, offsets)?;
+        let store = self.store.clone();
+        py.detach(move || store.load(shards)).py_err()
+    }
+
+    /// Starts a dump from per-shard segment lists given in CSR form.
+    #[pyo3(signature = (block_ids, shard_index, ptrs, lens, offsets, prerequisite_handle=0))]
+    #[allow(clippy::too_many_arguments)] // one argument per CSR array
+    fn dump_segs(
+        &self,
+        py: Python<'_>,
+        block_ids: &Bound<'_, PyAny>,
+        shard_index: &Bound<'_, PyAny>,
+        ptrs: Vec<u64>,
+        lens: Vec<u64>,
+        offsets: Vec<u64>,
+        prerequisite_handle: u64,
+    ) -> PyResult<u64> {
+        let ids = parse_ids(block_ids)?;
+        let idx = parse_indices(shard_index, ids.len())?;
+        let shards = shards_from_segs(ids, idx, ptrs, lens, offsets)?;
+        let store = self.store.clone();
+        py.detach(move || store.dump(shards, prerequisite_handle)).py_err()
+    }
+
+    /// Blocks (without the GIL) until the task finishes; raises on failure.
+    fn wait(&self, py: Python<'_>, task_id: u64) -> PyResult<()> {
+        let store = self.store.clone();
+        py.detach(move || store.wait(task_id)).py_err()
+    }
+
+    /// True when the task finished; never blocks.
+    fn check(&self, task_id: u64) -> PyResult<bool> {
+        self.store.check(task_id).py_err()
+    }
+
+    /// Finishes in-flight work and stops the store's threads.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let store = self.store.clone();
+        py.detach(move || store.close()).py_err()
+    }
+
+    /// Counters of a Posix store (empty dict for other stores).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        if let Some(p) = &self.posix {
+            let s = p.stats();
+            d.set_item("blocks", s.blocks)?;
+            d.set_item("used_bytes", s.used_bytes)?;
+            d.set_item("shards_loaded", s.shards_loaded)?;
+            d.set_item("shards_dumped", s.shards_dumped)?;
+            d.set_item("blocks_committed", s.blocks_committed)?;
+            d.set_item("evictions", s.evictions)?;
+            d.set_item("corrupt_loads", s.corrupt_loads)?;
+            d.set_item("io_engine", p.engine_name())?;
+        }
+        Ok(d)
+    }
+
+    /// Path of a block's file in a Posix store (None for other stores).
+    fn block_path(&self, block_id: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+        let id = one_id(block_id, 0)?;
+        Ok(self
+            .posix
+            .as_ref()
+            .map(|p| p.block_path(&id).display().to_string()))
+    }
+}
+
+impl PyStore {
+    fn addr_shards(
+        &self,
+        block_ids: &Bound<'_, PyAny>,
+        shard_index: &Bound<'_, PyAny>,
+        addrs: &Bound<'_, PyAny>,
+        sizes: &[usize],
+    ) -> PyResult<Vec<ShardIo>> {
+        let ids = parse_ids(block_ids)?;
+        let idx = parse_indices(shard_index, ids.len())?;
+        let (flat, rows, cols) = u64_matrix(addrs, "addrs")?;
+        if rows != ids.len() {
+            return Err(invalid(format!(
+                "addrs has {rows} row(s) but block_ids has {}; they must match",
+                ids.len()
+            )));
+        }
+        shards_from_addrs(ids, idx, &flat, cols, sizes)
+    }
+}
+
+impl Drop for PyStore {
+    fn drop(&mut self) {
+        // Joining the store's threads must not happen with the GIL held:
+        // they may be logging through Python.
+        let store = self.store.clone();
+        Python::attach(|py| {
+            py.detach(move || {
+                let _ = store.close();
+            })
+        });
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyStore>()
+}
