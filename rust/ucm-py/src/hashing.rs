@@ -6,6 +6,7 @@
 use std::str::FromStr;
 
 use pyo3::buffer::{ElementType, PyUntypedBuffer};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use ucm_core::hashing::{self, HashAlgo};
@@ -51,7 +52,6 @@ fn copy_buffer<T: pyo3::buffer::Element>(
         .to_vec(py)
 }
 
-/// Widens infallibly-convertible items to i64.
 fn widen<T: Into<i64>>(v: Vec<T>) -> Vec<i64> {
     v.into_iter().map(Into::into).collect()
 }
@@ -96,6 +96,43 @@ fn tokens_from_buffer(py: Python<'_>, buf: &PyUntypedBuffer) -> PyResult<Vec<i64
     }
 }
 
+/// Token ids from a list: exact `int` items are read through the C API
+/// directly (about 3x faster than generic extraction, which matters because a
+/// 32k-token list otherwise costs more than hashing it); anything else goes
+/// through `item`.
+fn tokens_from_list(
+    list: &Bound<'_, PyList>,
+    item: impl Fn(usize, Bound<'_, PyAny>) -> PyResult<i64>,
+) -> PyResult<Vec<i64>> {
+    let py = list.py();
+    let n = list.len();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: we hold the GIL (`py`) and `list` is a live list. The C call
+        // bounds-checks `i` and returns a borrowed reference (or NULL with an
+        // IndexError set, if a callback of an earlier item shrank the list).
+        let raw = unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) };
+        if raw.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: `raw` is a valid object pointer (borrowed, see above).
+        if unsafe { ffi::PyLong_CheckExact(raw) } != 0 {
+            let mut overflow: std::os::raw::c_int = 0;
+            // SAFETY: `raw` is an exact int, so no Python code runs (no
+            // `__index__`) and the borrowed reference stays valid.
+            let v = unsafe { ffi::PyLong_AsLongLongAndOverflow(raw, &mut overflow) };
+            if overflow == 0 && !(v == -1 && PyErr::occurred(py)) {
+                out.push(v);
+                continue;
+            }
+        }
+        // Slow path (int subclasses, non-ints, overflow): an owned reference,
+        // so arbitrary Python code may run safely.
+        out.push(item(i, list.get_item(i)?)?);
+    }
+    Ok(out)
+}
+
 /// Token ids from a list, tuple or other iterable of Python ints.
 fn tokens_from_sequence(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let item = |i: usize, v: Bound<'_, PyAny>| -> PyResult<i64> {
@@ -108,7 +145,7 @@ fn tokens_from_sequence(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         })
     };
     if let Ok(list) = obj.cast::<PyList>() {
-        list.iter().enumerate().map(|(i, v)| item(i, v)).collect()
+        tokens_from_list(list, item)
     } else if let Ok(tuple) = obj.cast::<PyTuple>() {
         tuple.iter().enumerate().map(|(i, v)| item(i, v)).collect()
     } else if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
