@@ -39,9 +39,7 @@ def init_logging() -> logging.Logger:
     core.setLevel(level)
     if not any(getattr(h, _HANDLER_FLAG, False) for h in root.handlers):
         handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
         setattr(handler, _HANDLER_FLAG, True)
         root.addHandler(handler)
         core.addHandler(handler)

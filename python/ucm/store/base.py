@@ -55,16 +55,23 @@ class UcmKVStoreBase(abc.ABC):
 
     @abc.abstractmethod
     def load(
-        self, block_ids: Sequence[bytes], shard_index: Sequence[int], tensors: Sequence[Sequence[Any]]
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        tensors: Sequence[Sequence[Any]],
     ) -> Task:
         """Copies shard ``shard_index[i]`` of block ``block_ids[i]`` into the
         tensors ``tensors[i]`` (torch CPU tensors or numpy arrays, used in place)."""
 
     @abc.abstractmethod
     def dump(
-        self, block_ids: Sequence[bytes], shard_index: Sequence[int], tensors: Sequence[Sequence[Any]]
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        tensors: Sequence[Sequence[Any]],
     ) -> Task:
-        """Stores the tensors ``tensors[i]`` as shard ``shard_index[i]`` of block ``block_ids[i]``."""
+        """Stores the tensors ``tensors[i]`` as shard ``shard_index[i]`` of block
+        ``block_ids[i]``."""
 
     @abc.abstractmethod
     def load_data(

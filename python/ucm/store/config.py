@@ -77,7 +77,8 @@ class PosixStoreConfig:
             )
         if self.io_engine not in IO_ENGINES:
             raise ConfigError(
-                f"io_engine: unknown value {self.io_engine!r}; valid values: {', '.join(IO_ENGINES)}"
+                f"io_engine: unknown value {self.io_engine!r}; "
+                f"valid values: {', '.join(IO_ENGINES)}"
             )
         if self.io_threads <= 0:
             raise ConfigError(f"io_threads: must be > 0, got {self.io_threads}")

@@ -68,14 +68,20 @@ class UcmPipelineStore(UcmKVStoreBase):
 
     # -- transfers -------------------------------------------------------
     def load(
-        self, block_ids: Sequence[bytes], shard_index: Sequence[int], tensors: Sequence[Sequence[Any]]
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        tensors: Sequence[Sequence[Any]],
     ) -> Task:
         ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=True)
         tid = self._native.load_segs(block_ids, list(shard_index), ptrs, lens, offsets)
         return Task(tid, keepalive=tensors)
 
     def dump(
-        self, block_ids: Sequence[bytes], shard_index: Sequence[int], tensors: Sequence[Sequence[Any]]
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        tensors: Sequence[Sequence[Any]],
     ) -> Task:
         ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=False)
         tid = self._native.dump_segs(block_ids, list(shard_index), ptrs, lens, offsets)
@@ -85,7 +91,9 @@ class UcmPipelineStore(UcmKVStoreBase):
         self, block_ids: Sequence[bytes], shard_index: Sequence[int], dst_addr: np.ndarray
     ) -> Task:
         addrs = as_addr_matrix(dst_addr, len(block_ids))
-        tid = self._native.load_addrs(block_ids, _indices(shard_index), addrs, self._sizes)
+        tid = self._native.load_addrs(
+            block_ids, _indices(shard_index), addrs, self._col_sizes(addrs)
+        )
         return Task(tid)
 
     def dump_data(
@@ -97,9 +105,13 @@ class UcmPipelineStore(UcmKVStoreBase):
     ) -> Task:
         addrs = as_addr_matrix(src_addr, len(block_ids))
         tid = self._native.dump_addrs(
-            block_ids, _indices(shard_index), addrs, self._sizes, prerequisite_handle
+            block_ids, _indices(shard_index), addrs, self._col_sizes(addrs), prerequisite_handle
         )
         return Task(tid)
+
+    def _col_sizes(self, addrs: np.ndarray) -> list[int]:
+        # Stages without a layout (Empty) read and write nothing.
+        return self._sizes or [0] * addrs.shape[1]
 
     def wait(self, task: Task) -> None:
         try:

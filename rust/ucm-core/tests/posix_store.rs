@@ -1,6 +1,9 @@
 //! Posix store behaviour on a real file system (a temporary directory on
 //! the build machine's disk), for both I/O engines and O_DIRECT on and off.
 
+// Test helpers outside #[test] fns: a panic here is a test failure.
+#![allow(clippy::unwrap_used)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,7 +51,9 @@ impl Buf {
     fn filled(len: usize, seed: u32, misalign: usize) -> Self {
         let mut b = Buf::new(len, misalign);
         for (i, x) in b.slice_mut().iter_mut().enumerate() {
-            *x = (i as u32).wrapping_mul(31).wrapping_add(seed.wrapping_mul(7919)) as u8;
+            *x = (i as u32)
+                .wrapping_mul(31)
+                .wrapping_add(seed.wrapping_mul(7919)) as u8;
         }
         b
     }
@@ -65,8 +70,14 @@ impl Buf {
             block,
             index,
             segs: vec![
-                MemSeg { addr: a, len: self.len / 2 },
-                MemSeg { addr: a + self.len / 2, len: self.len / 2 },
+                MemSeg {
+                    addr: a,
+                    len: self.len / 2,
+                },
+                MemSeg {
+                    addr: a + self.len / 2,
+                    len: self.len / 2,
+                },
             ],
         }
     }
@@ -89,7 +100,11 @@ fn round_trip_all_engines_and_direct_modes() {
             let ids: Vec<BlockId> = (0..8).map(id).collect();
             assert_eq!(store.lookup(&ids).unwrap(), vec![false; 8]);
             let srcs: Vec<Vec<Buf>> = (0..8)
-                .map(|b| (0..4).map(|s| Buf::filled(SHARD, b * 10 + s, misalign)).collect())
+                .map(|b| {
+                    (0..4)
+                        .map(|s| Buf::filled(SHARD, b * 10 + s, misalign))
+                        .collect()
+                })
                 .collect();
             let shards: Vec<ShardIo> = ids
                 .iter()
@@ -111,7 +126,10 @@ fn round_trip_all_engines_and_direct_modes() {
             let t = store.load(shards).unwrap();
             store.wait(t).unwrap();
             for (a, b) in srcs.iter().flatten().zip(dsts.iter().flatten()) {
-                assert!(a.slice() == b.slice(), "mismatch engine={engine:?} direct={direct}");
+                assert!(
+                    a.slice() == b.slice(),
+                    "mismatch engine={engine:?} direct={direct}"
+                );
             }
             let st = store.stats();
             assert_eq!(st.blocks_committed, 8);
@@ -132,7 +150,10 @@ fn lookup_is_per_block_and_prefix_stops_at_first_miss() {
         store.wait(t).unwrap();
     }
     let ids: Vec<BlockId> = (0..5).map(id).collect();
-    assert_eq!(store.lookup(&ids).unwrap(), vec![true, true, false, true, false]);
+    assert_eq!(
+        store.lookup(&ids).unwrap(),
+        vec![true, true, false, true, false]
+    );
     assert_eq!(store.lookup_on_prefix(&ids).unwrap(), 1);
     assert_eq!(store.lookup_on_prefix(&ids[2..]).unwrap(), -1);
     assert_eq!(store.lookup_on_prefix(&[]).unwrap(), -1);
@@ -147,13 +168,19 @@ fn block_invisible_until_all_shards_written_in_any_order() {
     for s in [3usize, 0, 2] {
         let t = store.dump(vec![bufs[s].shard(id(9), s)], 0).unwrap();
         store.wait(t).unwrap();
-        assert_eq!(store.lookup(&[id(9)]).unwrap(), vec![false], "visible after shard {s}");
+        assert_eq!(
+            store.lookup(&[id(9)]).unwrap(),
+            vec![false],
+            "visible after shard {s}"
+        );
     }
     let t = store.dump(vec![bufs[1].shard(id(9), 1)], 0).unwrap();
     store.wait(t).unwrap();
     assert_eq!(store.lookup(&[id(9)]).unwrap(), vec![true]);
     let out: Vec<Buf> = (0..4).map(|_| Buf::new(SHARD, 0)).collect();
-    let t = store.load((0..4).map(|s| out[s].shard(id(9), s)).collect()).unwrap();
+    let t = store
+        .load((0..4).map(|s| out[s].shard(id(9), s)).collect())
+        .unwrap();
     store.wait(t).unwrap();
     for s in 0..4 {
         assert_eq!(out[s].slice(), bufs[s].slice());
@@ -168,7 +195,10 @@ fn concurrent_writers_of_one_block_leave_one_whole_block() {
     let b = Arc::new(PosixStore::open(config(dir.path(), IoEngineKind::Uring, false)).unwrap());
     let bufs: Arc<Vec<Buf>> = Arc::new((0..4).map(|s| Buf::filled(SHARD, s, 0)).collect());
     let mut handles = Vec::new();
-    for (k, store) in [a.clone(), b.clone(), a.clone(), b.clone()].into_iter().enumerate() {
+    for (k, store) in [a.clone(), b.clone(), a.clone(), b.clone()]
+        .into_iter()
+        .enumerate()
+    {
         let bufs = bufs.clone();
         handles.push(std::thread::spawn(move || {
             for round in 0..20u32 {
@@ -185,7 +215,9 @@ fn concurrent_writers_of_one_block_leave_one_whole_block() {
     for round in 0..20u32 {
         for store in [&a, &b] {
             let out: Vec<Buf> = (0..4).map(|_| Buf::new(SHARD, 0)).collect();
-            let t = store.load((0..4).map(|s| out[s].shard(id(100 + round), s)).collect()).unwrap();
+            let t = store
+                .load((0..4).map(|s| out[s].shard(id(100 + round), s)).collect())
+                .unwrap();
             store.wait(t).unwrap();
             for s in 0..4 {
                 assert_eq!(out[s].slice(), bufs[s].slice());
@@ -193,7 +225,10 @@ fn concurrent_writers_of_one_block_leave_one_whole_block() {
         }
     }
     // No temporaries left behind.
-    let leftovers = walk(dir.path()).into_iter().filter(|p| p.contains(".tmp.")).count();
+    let leftovers = walk(dir.path())
+        .into_iter()
+        .filter(|p| p.contains(".tmp."))
+        .count();
     assert_eq!(leftovers, 0);
 }
 
@@ -215,7 +250,9 @@ fn checksum_failure_is_a_load_error_and_clears_the_destination() {
         let dir = tempfile::tempdir().unwrap();
         let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
         let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
-        let t = store.dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0).unwrap();
+        let t = store
+            .dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0)
+            .unwrap();
         store.wait(t).unwrap();
         // Flip one data byte of shard 2.
         let path = store.block_path(&id(1));
@@ -227,7 +264,10 @@ fn checksum_failure_is_a_load_error_and_clears_the_destination() {
         let t = store.load(vec![out.shard(id(1), 2)]).unwrap();
         let err = store.wait(t).unwrap_err();
         assert_eq!(err.code(), -50011, "{err}");
-        assert!(out.slice_mut().iter().all(|&x| x == 0), "caller memory not cleared");
+        assert!(
+            out.slice_mut().iter().all(|&x| x == 0),
+            "caller memory not cleared"
+        );
         // The corrupt block is dropped so it can be written again.
         assert_eq!(store.lookup(&[id(1)]).unwrap(), vec![false]);
         assert_eq!(store.stats().corrupt_loads, 1);
@@ -239,7 +279,9 @@ fn foreign_block_and_other_layout_are_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
     let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
-    let t = store.dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0).unwrap();
+    let t = store
+        .dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0)
+        .unwrap();
     store.wait(t).unwrap();
     // Copy block 1's file under block 2's name: a "foreign" block.
     std::fs::create_dir_all(store.block_path(&id(2)).parent().unwrap()).unwrap();
@@ -257,7 +299,10 @@ fn foreign_block_and_other_layout_are_rejected() {
         .load(vec![ShardIo {
             block: id(1),
             index: 0,
-            segs: vec![MemSeg { addr: out.slice().as_ptr() as usize, len: SHARD }],
+            segs: vec![MemSeg {
+                addr: out.slice().as_ptr() as usize,
+                len: SHARD,
+            }],
         }])
         .unwrap();
     let err = other.wait(t).unwrap_err();
@@ -285,7 +330,9 @@ fn capacity_evicts_least_recently_used_and_restart_restores_state() {
     let store = PosixStore::open(cfg.clone()).unwrap();
     let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
     let put = |store: &PosixStore, n: u32| {
-        let t = store.dump((0..4).map(|s| bufs[s].shard(id(n), s)).collect(), 0).unwrap();
+        let t = store
+            .dump((0..4).map(|s| bufs[s].shard(id(n), s)).collect(), 0)
+            .unwrap();
         store.wait(t).unwrap();
     };
     for n in 0..10 {

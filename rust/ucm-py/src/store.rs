@@ -68,7 +68,10 @@ fn one_id(item: &Bound<'_, PyAny>, i: usize) -> PyResult<BlockId> {
     let bytes = item.cast::<PyBytes>().map_err(|_| {
         invalid(format!(
             "block_ids[{i}] must be bytes, got {}",
-            item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            item.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
         ))
     })?;
     let b = bytes.as_bytes();
@@ -287,7 +290,8 @@ impl PyStore {
     ) -> PyResult<u64> {
         let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes)?;
         let store = self.store.clone();
-        py.detach(move || store.dump(shards, prerequisite_handle)).py_err()
+        py.detach(move || store.dump(shards, prerequisite_handle))
+            .py_err()
     }
 
     /// Starts a load into per-shard segment lists given in CSR form.
@@ -324,7 +328,8 @@ impl PyStore {
         let idx = parse_indices(shard_index, ids.len())?;
         let shards = shards_from_segs(ids, idx, ptrs, lens, offsets)?;
         let store = self.store.clone();
-        py.detach(move || store.dump(shards, prerequisite_handle)).py_err()
+        py.detach(move || store.dump(shards, prerequisite_handle))
+            .py_err()
     }
 
     /// Blocks (without the GIL) until the task finishes; raises on failure.

@@ -94,7 +94,9 @@ impl Task {
     /// already failed, was cancelled, or ran past its deadline. A skipped
     /// unit must still call [`Task::skip_unit`].
     pub fn should_skip(&self) -> bool {
-        self.cancelled.load(Ordering::Acquire) || self.error.lock().is_some() || self.past_deadline()
+        self.cancelled.load(Ordering::Acquire)
+            || self.error.lock().is_some()
+            || self.past_deadline()
     }
 
     /// Records the outcome of one unit. The first error wins.
@@ -137,7 +139,10 @@ impl Task {
     }
 
     fn timeout_error(&self) -> UcmError {
-        UcmError::Timeout(format!("task {} ({}) exceeded its timeout", self.id, self.kind))
+        UcmError::Timeout(format!(
+            "task {} ({}) exceeded its timeout",
+            self.id, self.kind
+        ))
     }
 
     /// Blocks until finished or `until` (None = forever); true if finished.

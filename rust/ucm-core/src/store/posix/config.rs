@@ -57,7 +57,9 @@ impl PosixConfig {
     /// Checks sizes and directories; errors name the key and the value.
     pub fn validate(&self) -> Result<()> {
         if self.storage_backends.is_empty() {
-            return Err(UcmError::invalid("storage_backends: at least one directory is required"));
+            return Err(UcmError::invalid(
+                "storage_backends: at least one directory is required",
+            ));
         }
         for (i, dir) in self.storage_backends.iter().enumerate() {
             let meta = std::fs::metadata(dir).map_err(|e| {
@@ -95,7 +97,10 @@ impl PosixConfig {
             )));
         }
         let sum: usize = self.tensor_size_list.iter().sum();
-        if self.tensor_size_list.is_empty() || self.tensor_size_list.contains(&0) || sum != self.shard_size {
+        if self.tensor_size_list.is_empty()
+            || self.tensor_size_list.contains(&0)
+            || sum != self.shard_size
+        {
             return Err(UcmError::invalid(format!(
                 "tensor_size_list: sizes {:?} must be positive and sum to shard_size {} (they sum to {sum})",
                 self.tensor_size_list, self.shard_size
@@ -141,13 +146,20 @@ mod tests {
         assert!(base(d.path()).validate().is_ok());
         let mut c = base(d.path());
         c.tensor_size_list = vec![1000];
-        assert!(c.validate().unwrap_err().to_string().contains("tensor_size_list"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("tensor_size_list"));
         let mut c = base(d.path());
         c.block_size = 5000;
         assert!(c.validate().unwrap_err().to_string().contains("block_size"));
         let mut c = base(d.path());
         c.storage_backends = vec![d.path().join("missing")];
         let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("storage_backends[0]") && e.contains("missing"), "{e}");
+        assert!(
+            e.contains("storage_backends[0]") && e.contains("missing"),
+            "{e}"
+        );
     }
 }

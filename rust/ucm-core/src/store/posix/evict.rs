@@ -75,7 +75,10 @@ pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
         .counters
         .evictions
         .fetch_add(evicted as u64, std::sync::atomic::Ordering::Relaxed);
-    log::debug!("evicted {evicted} block(s); {} byte(s) in use", shared.index.used_bytes());
+    log::debug!(
+        "evicted {evicted} block(s); {} byte(s) in use",
+        shared.index.used_bytes()
+    );
     evicted
 }
 
@@ -83,7 +86,8 @@ pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
 /// would hold its temporary file forever: after twice the task timeout
 /// (at least a minute) of inactivity it is dropped.
 fn drop_abandoned_writers(shared: &Shared) {
-    let idle = Duration::from_millis(shared.cfg.timeout_ms.saturating_mul(2)).max(Duration::from_secs(60));
+    let idle =
+        Duration::from_millis(shared.cfg.timeout_ms.saturating_mul(2)).max(Duration::from_secs(60));
     let stale: Vec<_> = shared
         .writers
         .lock()
@@ -95,6 +99,10 @@ fn drop_abandoned_writers(shared: &Shared) {
         w.abandon();
         shared.forget_writer(&w);
         let _ = std::fs::remove_file(&w.tmp);
-        log::warn!("dropped the incomplete block {} after {:?} without progress", w.block, idle);
+        log::warn!(
+            "dropped the incomplete block {} after {:?} without progress",
+            w.block,
+            idle
+        );
     }
 }

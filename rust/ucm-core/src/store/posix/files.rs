@@ -185,7 +185,8 @@ impl Opener {
 
     /// Opens a published block for reading.
     pub fn read(&self, path: &Path) -> Result<OpenFile> {
-        self.open(path, false).map_err(|e| UcmError::os("open", path, e))
+        self.open(path, false)
+            .map_err(|e| UcmError::os("open", path, e))
     }
 
     /// Opens (creating, 0600) a temporary block file for writing; recreates
@@ -197,7 +198,8 @@ impl Opener {
                 if let Some(parent) = path.parent() {
                     make_private_dir(parent)?;
                 }
-                self.open(path, true).map_err(|e| UcmError::os("open", path, e))
+                self.open(path, true)
+                    .map_err(|e| UcmError::os("open", path, e))
             }
             Err(e) => Err(UcmError::os("open", path, e)),
         }
@@ -218,7 +220,10 @@ mod tests {
         let tmp = paths.temp(&id, 3);
         let name = tmp.file_name().unwrap().to_string_lossy().to_string();
         assert!(name.starts_with(&"ab".repeat(16)) && name.contains(TMP_MARKER));
-        let mode = std::fs::metadata(d.path().join("ab")).unwrap().permissions().mode();
+        let mode = std::fs::metadata(d.path().join("ab"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o700);
         let f = Opener::new(false).write(&tmp).unwrap();
         drop(f);

@@ -132,7 +132,10 @@ impl ShardHeader {
             u64::from_le_bytes(b)
         };
         if u64_at(64) != xxh3_64(&raw[..64]) {
-            return Err(UcmError::Corrupt(format!("{}: header checksum mismatch", where_())));
+            return Err(UcmError::Corrupt(format!(
+                "{}: header checksum mismatch",
+                where_()
+            )));
         }
         let version = u32_at(8);
         if version != VERSION {

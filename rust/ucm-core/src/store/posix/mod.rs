@@ -85,6 +85,7 @@ struct Shared {
     counters: Counters,
     inflight: Mutex<usize>,
     inflight_cv: Condvar,
+    max_inflight: usize,
     evict_signal: (Mutex<evict::Signal>, Condvar),
 }
 
@@ -151,6 +152,7 @@ impl PosixStore {
             counters: Counters::default(),
             inflight: Mutex::new(0),
             inflight_cv: Condvar::new(),
+            max_inflight: (cfg.io_threads * 32).clamp(64, 1024),
             evict_signal: (Mutex::new(evict::Signal::default()), Condvar::new()),
             cfg,
         });
@@ -193,7 +195,10 @@ impl PosixStore {
 
     /// The name of the I/O engine in use.
     pub fn engine_name(&self) -> &'static str {
-        self.runtime.lock().as_ref().map_or("closed", |r| r.engine.name())
+        self.runtime
+            .lock()
+            .as_ref()
+            .map_or("closed", |r| r.engine.name())
     }
 
     fn check_shards(&self, shards: &[ShardIo]) -> Result<()> {
@@ -276,16 +281,23 @@ impl Shared {
         false
     }
 
+    /// Counts a request in flight, first waiting while the store already
+    /// has [`Shared::max_inflight`] of them: engines queue without bound, so
+    /// this is what keeps bounce buffers and queued requests bounded when a
+    /// task has thousands of shards. Only worker threads call it; engine
+    /// threads (which must never block) only call [`Shared::end_io`].
     fn begin_io(&self) {
-        *self.inflight.lock() += 1;
+        let mut n = self.inflight.lock();
+        while *n >= self.max_inflight {
+            self.inflight_cv.wait(&mut n);
+        }
+        *n += 1;
     }
 
     fn end_io(&self) {
         let mut n = self.inflight.lock();
         *n -= 1;
-        if *n == 0 {
-            self.inflight_cv.notify_all();
-        }
+        self.inflight_cv.notify_all();
     }
 
     /// Bytes of the data part of a region as written (padded to 4 KiB).
@@ -304,7 +316,12 @@ impl Shared {
         }
     }
 
-    fn start_load(self: &Arc<Self>, engine: &Arc<dyn IoEngine>, task: &Arc<Task>, shard: ShardIo) -> Result<()> {
+    fn start_load(
+        self: &Arc<Self>,
+        engine: &Arc<dyn IoEngine>,
+        task: &Arc<Task>,
+        shard: ShardIo,
+    ) -> Result<()> {
         let path = self.paths.block(&shard.block);
         let pin = match self.index.pin(&shard.block) {
             Some(p) => p,
@@ -331,15 +348,27 @@ impl Shared {
         };
         let size = self.layout.shard_size;
         let bounce_needed = open.direct && !self.align.fits(&shard.segs);
-        let mut head = engine.bounce(if bounce_needed { HEADER_LEN + self.padded() } else { HEADER_LEN });
+        let mut head = engine.bounce(if bounce_needed {
+            HEADER_LEN + self.padded()
+        } else {
+            HEADER_LEN
+        });
         let mut iov = vec![MemSeg {
             addr: head.as_mut_ptr() as usize,
-            len: if bounce_needed { HEADER_LEN + self.padded() } else { HEADER_LEN },
+            len: if bounce_needed {
+                HEADER_LEN + self.padded()
+            } else {
+                HEADER_LEN
+            },
         }];
         if !bounce_needed {
             iov.extend_from_slice(&shard.segs);
         }
-        let fixed = if bounce_needed { head.fixed_index() } else { None };
+        let fixed = if bounce_needed {
+            head.fixed_index()
+        } else {
+            None
+        };
         let expected: usize = iov.iter().map(|s| s.len).sum();
         let req = IoRequest {
             op: IoOp::Read,
@@ -354,12 +383,16 @@ impl Shared {
         engine.submit(
             req,
             Box::new(move |res| {
-                let outcome = shared.finish_load(&shard, res, expected, &head[..], bounce_needed, size);
+                let outcome =
+                    shared.finish_load(&shard, res, expected, &head[..], bounce_needed, size);
                 drop(open);
                 drop(pin);
                 drop(head);
                 if outcome.is_ok() {
-                    shared.counters.shards_loaded.fetch_add(1, Ordering::Relaxed);
+                    shared
+                        .counters
+                        .shards_loaded
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 task.complete_unit(outcome);
                 shared.end_io();
@@ -410,7 +443,11 @@ impl Shared {
                         // SAFETY: destination valid per the caller's contract;
                         // source is inside the bounce buffer we own.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(head[off..].as_ptr(), s.addr as *mut u8, s.len)
+                            std::ptr::copy_nonoverlapping(
+                                head[off..].as_ptr(),
+                                s.addr as *mut u8,
+                                s.len,
+                            )
                         };
                         off += s.len;
                     }
@@ -462,7 +499,12 @@ impl Shared {
         }
     }
 
-    fn start_dump(self: &Arc<Self>, engine: &Arc<dyn IoEngine>, task: &Arc<Task>, shard: ShardIo) -> Result<()> {
+    fn start_dump(
+        self: &Arc<Self>,
+        engine: &Arc<dyn IoEngine>,
+        task: &Arc<Task>,
+        shard: ShardIo,
+    ) -> Result<()> {
         if self.index.contains(&shard.block) {
             // Content-addressed: an existing block already holds these bytes.
             task.complete_unit(Ok(()));
@@ -499,7 +541,11 @@ impl Shared {
         let size = self.layout.shard_size;
         let padded = self.padded();
         let bounce_needed = open.direct && !self.align.fits(&shard.segs);
-        let head_len = if bounce_needed { HEADER_LEN + padded } else { HEADER_LEN };
+        let head_len = if bounce_needed {
+            HEADER_LEN + padded
+        } else {
+            HEADER_LEN
+        };
         let mut head = engine.bounce(head_len);
         let checksum = if bounce_needed {
             let mut off = HEADER_LEN;
@@ -507,7 +553,11 @@ impl Shared {
                 // SAFETY: source valid per the caller's contract; the
                 // destination range lies inside the bounce buffer.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(s.addr as *const u8, head[off..].as_mut_ptr(), s.len)
+                    std::ptr::copy_nonoverlapping(
+                        s.addr as *const u8,
+                        head[off..].as_mut_ptr(),
+                        s.len,
+                    )
                 };
                 off += s.len;
             }
@@ -518,7 +568,8 @@ impl Shared {
             unsafe { checksum_segs(&shard.segs) }
         };
         head[..HEADER_LEN].fill(0);
-        self.header_for(shard, checksum).encode(&mut head[..HEADER_LEN]);
+        self.header_for(shard, checksum)
+            .encode(&mut head[..HEADER_LEN]);
         let mut iov = vec![MemSeg {
             addr: head.as_mut_ptr() as usize,
             len: head_len,
@@ -532,7 +583,11 @@ impl Shared {
                 });
             }
         }
-        let fixed = if bounce_needed { head.fixed_index() } else { None };
+        let fixed = if bounce_needed {
+            head.fixed_index()
+        } else {
+            None
+        };
         let expected: usize = iov.iter().map(|s| s.len).sum();
         let req = IoRequest {
             op: IoOp::Write,
@@ -563,7 +618,10 @@ impl Shared {
                     Err(e) => Err(UcmError::os("pwrite", &writer.tmp, e)),
                 };
                 if result.is_ok() {
-                    shared.counters.shards_dumped.fetch_add(1, Ordering::Relaxed);
+                    shared
+                        .counters
+                        .shards_dumped
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 let done = writer.finish(index, &result);
                 shared.after_write(&writer, done, result, &task);
@@ -606,8 +664,11 @@ impl Shared {
             let _ = std::fs::remove_file(&writer.tmp);
             return Err(UcmError::os("rename", &writer.tmp, e));
         }
-        self.index.insert(writer.block, self.layout.file_len(), None);
-        self.counters.blocks_committed.fetch_add(1, Ordering::Relaxed);
+        self.index
+            .insert(writer.block, self.layout.file_len(), None);
+        self.counters
+            .blocks_committed
+            .fetch_add(1, Ordering::Relaxed);
         if self.cfg.capacity_bytes > 0 && self.index.used_bytes() > self.cfg.capacity_bytes {
             evict::wake(self);
         }
@@ -653,7 +714,12 @@ impl Store for PosixStore {
                 if let Ok(f) = std::fs::File::open(&p) {
                     // SAFETY: fd is open for the duration of the call.
                     unsafe {
-                        libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, libc::POSIX_FADV_WILLNEED)
+                        libc::posix_fadvise(
+                            std::os::fd::AsRawFd::as_raw_fd(&f),
+                            0,
+                            0,
+                            libc::POSIX_FADV_WILLNEED,
+                        )
                     };
                 }
             }

@@ -55,10 +55,8 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64) -> ScanReport {
                         report.ignored += 1;
                     }
                 } else if fname.contains(TMP_MARKER) {
-                    if is_stale_temp(&fname, &meta) {
-                        if std::fs::remove_file(f.path()).is_ok() {
-                            report.removed_temps += 1;
-                        }
+                    if is_stale_temp(&fname, &meta) && std::fs::remove_file(f.path()).is_ok() {
+                        report.removed_temps += 1;
                     }
                 } else {
                     report.ignored += 1;
@@ -121,9 +119,11 @@ mod tests {
         let b = BlockId([0x22; 16]);
         std::fs::write(paths.block(&a), vec![0u8; 100]).unwrap();
         std::fs::write(paths.block(&b), vec![0u8; 99]).unwrap(); // wrong size
-        // a temp of a dead process (pid 2^22 - 1 is above pid_max defaults
-        // on most systems) and one of a live process (pid 1).
-        let dead = paths.dir(&a).join(format!("{}{TMP_MARKER}4194303.1", a.hex()));
+                                                                 // a temp of a dead process (pid 2^22 - 1 is above pid_max defaults
+                                                                 // on most systems) and one of a live process (pid 1).
+        let dead = paths
+            .dir(&a)
+            .join(format!("{}{TMP_MARKER}4194303.1", a.hex()));
         let live = paths.dir(&a).join(format!("{}{TMP_MARKER}1.1", a.hex()));
         std::fs::write(&dead, b"x").unwrap();
         std::fs::write(&live, b"x").unwrap();
