@@ -1,0 +1,78 @@
+"""Shared fixtures: stores on real temporary directories, small tmpfs mounts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ucm.store import UcmConnectorFactory, UcmKVStoreBase
+
+SHARD = 64 * 1024
+SHARDS = 4
+
+
+def base_config(root: Path, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "store_pipeline": "Posix",
+        "storage_backends": str(root),
+        "block_size": SHARD * SHARDS,
+        "shard_size": SHARD,
+        "tensor_size_list": [SHARD // 2, SHARD // 2],
+        "timeout_ms": 20000,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[Callable[..., UcmKVStoreBase]]:
+    """Creates Posix stores under ``tmp_path`` (a disk directory, not tmpfs)."""
+    made: list[UcmKVStoreBase] = []
+
+    def make(root: Path | None = None, **overrides: Any) -> UcmKVStoreBase:
+        root = root or tmp_path / "store"
+        root.mkdir(parents=True, exist_ok=True)
+        store = UcmConnectorFactory.create_connector(
+            "UcmPipelineStore", base_config(root, **overrides)
+        )
+        made.append(store)
+        return store
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """Mounts size-limited tmpfs file systems (needs root, as in CI)."""
+    mounts: list[Path] = []
+
+    def mount(size: str, options: str = "") -> Path:
+        target = tmp_path / f"mnt-{uuid.uuid4().hex[:8]}"
+        target.mkdir()
+        opts = f"size={size}" + (f",{options}" if options else "")
+        res = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(target)],
+            capture_output=True,
+            text=True,
+        )
+        if res.returncode != 0:
+            if os.geteuid() != 0:
+                pytest.skip(f"mounting a tmpfs needs root: {res.stderr.strip()}")
+            raise RuntimeError(f"mount failed: {res.stderr}")
+        mounts.append(target)
+        return target
+
+    yield mount
+    for m in reversed(mounts):
+        subprocess.run(["umount", "-l", str(m)], check=False)
