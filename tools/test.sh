@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets everything up and runs every check: Rust format, clippy and tests,
+# ruff, and pytest. Fails if any of them fails.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/tools/setup.sh"
+cd "$ROOT"
+export PATH="$ROOT/.venv/bin:$PATH"
+
+step() { printf '\n=== %s\n' "$*" >&2; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -q -- -D warnings
+step "cargo test"
+cargo test --workspace --release -q
+step "ruff check"
+ruff check python benches
+ruff format --check python benches
+step "pytest"
+python -m pytest -q python/tests "$@"
