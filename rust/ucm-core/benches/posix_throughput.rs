@@ -1,1 +1,205 @@
-fn main() {}
+//! Posix store dump/load throughput against a same-run baseline.
+//!
+//! For each I/O engine, O_DIRECT on and off, and shard sizes 64 KiB .. 4 MiB
+//! (plus the layer-wise shape: 1 MiB shards made of 32 tensors of 32 KiB),
+//! measures the store's dump and load GB/s and, on the same directory in the
+//! same run, plain sequential O_DIRECT pwrite/pread of the same number of
+//! bytes in the same I/O size at the same queue depth (`io_threads`). Prints
+//! the ratio store/baseline at the end.
+//!
+//! Run: `cargo bench -p ucm-core --bench posix_throughput`
+//! (set `UCM_BENCH_DIR` to measure another file system; default: a temporary
+//! directory under the current directory's file system, i.e. the disk).
+
+#![allow(clippy::unwrap_used)] // benchmark code: a panic is a failed run
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, Criterion, Throughput};
+use ucm_core::io::{baseline_direct_io, AlignedBuf, IoEngineKind, IoOp};
+use ucm_core::store::{PosixConfig, PosixStore, Store};
+use ucm_core::{BlockId, MemSeg, ShardIo};
+
+const TOTAL: usize = 128 << 20;
+const QD: usize = 4;
+
+struct Row {
+    case: String,
+    dump: f64,
+    load: f64,
+    base_write: f64,
+    base_read: f64,
+}
+
+static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
+
+fn bench_dir() -> tempfile::TempDir {
+    let parent = std::env::var_os("UCM_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("target"));
+    std::fs::create_dir_all(&parent).unwrap();
+    tempfile::tempdir_in(parent).unwrap()
+}
+
+fn id(round: u64, n: u64) -> BlockId {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&round.to_le_bytes());
+    b[8..].copy_from_slice(&n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+    BlockId(b)
+}
+
+/// One shard per block; each shard is `tensors` equal tensors.
+fn shards(buf: &AlignedBuf, shard: usize, tensors: usize, round: u64) -> Vec<ShardIo> {
+    let t = shard / tensors;
+    (0..TOTAL / shard)
+        .map(|n| ShardIo {
+            block: id(round, n as u64),
+            index: 0,
+            segs: (0..tensors)
+                .map(|k| MemSeg {
+                    addr: buf.as_ptr() as usize + n * shard + k * t,
+                    len: t,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn gbps(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize, tensors: usize) {
+    let dir = bench_dir();
+    let case = format!(
+        "{}/{}/{}KiB{}",
+        if engine == IoEngineKind::Uring { "uring" } else { "psync" },
+        if direct { "direct" } else { "buffered" },
+        shard >> 10,
+        if tensors > 1 { format!("x{tensors}t") } else { String::new() }
+    );
+    let store = PosixStore::open(PosixConfig {
+        storage_backends: vec![dir.path().to_path_buf()],
+        block_size: shard,
+        shard_size: shard,
+        tensor_size_list: vec![shard / tensors; tensors],
+        io_direct: direct,
+        io_engine: engine,
+        io_threads: QD,
+        timeout_ms: 0,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut src = AlignedBuf::new(TOTAL);
+    for (i, x) in src.as_mut_slice().iter_mut().enumerate() {
+        *x = (i * 131 + 7) as u8;
+    }
+    let dst = AlignedBuf::new(TOTAL);
+    let mut round = 1u64;
+    let mut dumps = Vec::new();
+    let mut loads = Vec::new();
+    let mut g = c.benchmark_group(format!("posix/{case}"));
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(2))
+        .throughput(Throughput::Bytes(TOTAL as u64));
+    g.bench_function("dump", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                round += 1;
+                let work = shards(&src, shard, tensors, round);
+                let t0 = Instant::now();
+                let t = store.dump(work, 0).unwrap();
+                store.wait(t).unwrap();
+                let d = t0.elapsed();
+                dumps.push(gbps(TOTAL, d));
+                total += d;
+                remove_round(&store, shard, round);
+            }
+            total
+        })
+    });
+    // Load the last dumped round again (kept on disk).
+    round += 1;
+    let t = store.dump(shards(&src, shard, tensors, round), 0).unwrap();
+    store.wait(t).unwrap();
+    g.bench_function("load", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t0 = Instant::now();
+                let t = store.load(shards(&dst, shard, tensors, round)).unwrap();
+                store.wait(t).unwrap();
+                let d = t0.elapsed();
+                loads.push(gbps(TOTAL, d));
+                total += d;
+            }
+            total
+        })
+    });
+    g.finish();
+    assert_eq!(src.as_slice(), dst.as_slice(), "{case}: loaded bytes differ");
+    drop(store);
+    let base_write = median((0..3).map(|_| base(dir.path(), IoOp::Write, shard)).collect());
+    let base_read = median((0..3).map(|_| base(dir.path(), IoOp::Read, shard)).collect());
+    ROWS.lock().unwrap().push(Row {
+        case,
+        dump: median(dumps),
+        load: median(loads),
+        base_write,
+        base_read,
+    });
+}
+
+fn base(dir: &Path, op: IoOp, shard: usize) -> f64 {
+    baseline_direct_io(dir, op, TOTAL, shard, QD).unwrap()
+}
+
+fn remove_round(store: &PosixStore, shard: usize, round: u64) {
+    for n in 0..TOTAL / shard {
+        let _ = std::fs::remove_file(store.block_path(&id(round, n as u64)));
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    for engine in [IoEngineKind::Psync, IoEngineKind::Uring] {
+        for direct in [true, false] {
+            for shard in [64 << 10, 256 << 10, 1 << 20, 4 << 20] {
+                run_case(c, engine, direct, shard, 1);
+            }
+            run_case(c, engine, direct, 1 << 20, 32);
+        }
+    }
+}
+
+criterion_group!(group, benches);
+
+fn main() {
+    group();
+    Criterion::default().configure_from_args().final_summary();
+    println!("\nPosix store vs plain O_DIRECT pread/pwrite, same bytes, I/O size, queue depth {QD} (GB/s, medians)");
+    println!(
+        "{:<28} {:>7} {:>7} {:>7}   {:>7} {:>7} {:>7}",
+        "case", "dump", "base_w", "ratio", "load", "base_r", "ratio"
+    );
+    for r in ROWS.lock().unwrap().iter() {
+        println!(
+            "{:<28} {:>7.2} {:>7.2} {:>6.0}%   {:>7.2} {:>7.2} {:>6.0}%",
+            r.case,
+            r.dump,
+            r.base_write,
+            100.0 * r.dump / r.base_write,
+            r.load,
+            r.base_read,
+            100.0 * r.load / r.base_read
+        );
+    }
+}
