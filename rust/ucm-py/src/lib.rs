@@ -6,17 +6,19 @@
 
 use pyo3::prelude::*;
 
+mod bench;
 mod errors;
 mod hashing;
 mod store;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // Rust `log` records go to Python's `logging` under the "ucm" logger
-    // hierarchy (the target `ucm_core::...` becomes `ucm.core...`).
+    // Rust `log` records go to Python's `logging` (the target `ucm_core::store::posix` becomes the logger
+    // `ucm_core.store.posix`; `ucm.shared.logging` routes it next to `ucm`).
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
         .filter_target("ucm_core".to_owned(), log::LevelFilter::Trace)
         .install();
+    bench::register(m)?;
     errors::register(m)?;
     hashing::register(m)?;
     store::register(m)?;
