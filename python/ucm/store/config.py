@@ -46,6 +46,9 @@ class PosixStoreConfig:
     """Capacity above which least recently used blocks are evicted; 0 = unbounded."""
     device_id: int = 0
     """-1 makes a lookup-only store (the scheduler role): load/dump are refused."""
+    posix_spare_files: int = 32
+    """Temporary files kept created and allocated ahead of dumps, per directory
+    (hides slow file creation, e.g. on NFS); 0 disables."""
 
     def __post_init__(self) -> None:
         if isinstance(self.storage_backends, str):
@@ -84,6 +87,8 @@ class PosixStoreConfig:
             raise ConfigError(f"io_threads: must be > 0, got {self.io_threads}")
         if self.timeout_ms < 0:
             raise ConfigError(f"timeout_ms: must be >= 0, got {self.timeout_ms}")
+        if self.posix_spare_files < 0:
+            raise ConfigError(f"posix_spare_files: must be >= 0, got {self.posix_spare_files}")
         if self.posix_capacity_gb < 0:
             raise ConfigError(f"posix_capacity_gb: must be >= 0, got {self.posix_capacity_gb}")
 

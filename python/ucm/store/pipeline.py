@@ -31,6 +31,7 @@ def _open_native(name: str, cfg: Any) -> _native.NativeStore:
             timeout_ms=cfg.timeout_ms,
             capacity_bytes=int(cfg.posix_capacity_gb * GIB),
             device_id=cfg.device_id,
+            spare_files=cfg.posix_spare_files,
         )
     if isinstance(cfg, EmptyStoreConfig):
         return _native.NativeStore.empty(timeout_ms=cfg.timeout_ms)

@@ -80,10 +80,18 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
     let dir = bench_dir();
     let case = format!(
         "{}/{}/{}KiB{}",
-        if engine == IoEngineKind::Uring { "uring" } else { "psync" },
+        if engine == IoEngineKind::Uring {
+            "uring"
+        } else {
+            "psync"
+        },
         if direct { "direct" } else { "buffered" },
         shard >> 10,
-        if tensors > 1 { format!("x{tensors}t") } else { String::new() }
+        if tensors > 1 {
+            format!("x{tensors}t")
+        } else {
+            String::new()
+        }
     );
     let store = PosixStore::open(PosixConfig {
         storage_backends: vec![dir.path().to_path_buf()],
@@ -146,10 +154,22 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
         })
     });
     g.finish();
-    assert_eq!(src.as_slice(), dst.as_slice(), "{case}: loaded bytes differ");
+    assert_eq!(
+        src.as_slice(),
+        dst.as_slice(),
+        "{case}: loaded bytes differ"
+    );
     drop(store);
-    let base_write = median((0..3).map(|_| base(dir.path(), IoOp::Write, shard)).collect());
-    let base_read = median((0..3).map(|_| base(dir.path(), IoOp::Read, shard)).collect());
+    let base_write = median(
+        (0..3)
+            .map(|_| base(dir.path(), IoOp::Write, shard))
+            .collect(),
+    );
+    let base_read = median(
+        (0..3)
+            .map(|_| base(dir.path(), IoOp::Read, shard))
+            .collect(),
+    );
     ROWS.lock().unwrap().push(Row {
         case,
         dump: median(dumps),

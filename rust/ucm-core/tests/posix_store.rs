@@ -224,7 +224,10 @@ fn concurrent_writers_of_one_block_leave_one_whole_block() {
             }
         }
     }
-    // No temporaries left behind.
+    // No temporaries left behind once the stores are closed (spare files
+    // included).
+    drop(a);
+    drop(b);
     let leftovers = walk(dir.path())
         .into_iter()
         .filter(|p| p.contains(".tmp."))
@@ -307,6 +310,44 @@ fn foreign_block_and_other_layout_are_rejected() {
         .unwrap();
     let err = other.wait(t).unwrap_err();
     assert!(err.to_string().contains("another layout"), "{err}");
+}
+
+#[test]
+fn spare_files_are_used_and_cleaned_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, true);
+    cfg.spare_files = 4;
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    let spare_dir = dir.path().join(".spare");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::read_dir(&spare_dir).map_or(0, |d| d.count()) < 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "spares were not created"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+    for n in 0..8 {
+        let t = store
+            .dump((0..4).map(|s| bufs[s].shard(id(n), s)).collect(), 0)
+            .unwrap();
+        store.wait(t).unwrap();
+        let len = std::fs::metadata(store.block_path(&id(n))).unwrap().len();
+        assert_eq!(len, store.layout().file_len());
+    }
+    let out = Buf::new(SHARD, 0);
+    let t = store.load(vec![out.shard(id(7), 2)]).unwrap();
+    store.wait(t).unwrap();
+    assert_eq!(out.slice(), bufs[2].slice());
+    drop(store);
+    assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 0);
+    // Spares of a dead process are removed by the next start.
+    std::fs::write(spare_dir.join("spare.tmp.4194303.9"), b"").unwrap();
+    cfg.spare_files = 0;
+    let store = PosixStore::open(cfg).unwrap();
+    assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 0);
+    assert_eq!(store.stats().blocks, 8);
 }
 
 #[test]

@@ -190,7 +190,7 @@ fn shards_from_segs(
 impl PyStore {
     /// Opens a Posix store. Arguments are the validated config fields.
     #[staticmethod]
-    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0))]
+    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0, spare_files=32))]
     #[allow(clippy::too_many_arguments)] // mirrors the config keys one to one
     fn posix(
         py: Python<'_>,
@@ -204,6 +204,7 @@ impl PyStore {
         timeout_ms: u64,
         capacity_bytes: u64,
         device_id: i64,
+        spare_files: usize,
     ) -> PyResult<Self> {
         let kind: IoEngineKind = io_engine.parse().py_err()?;
         let cfg = PosixConfig {
@@ -217,6 +218,7 @@ impl PyStore {
             timeout_ms,
             capacity_bytes,
             device_id,
+            spare_files,
         };
         let store = Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?);
         Ok(PyStore {

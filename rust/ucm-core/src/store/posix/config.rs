@@ -34,6 +34,8 @@ pub struct PosixConfig {
     pub capacity_bytes: u64,
     /// -1: lookup-only role (load and dump refused); >= 0: transfers on.
     pub device_id: i64,
+    /// Temporary files kept pre-created per root (0 = none); see `spare`.
+    pub spare_files: usize,
 }
 
 impl Default for PosixConfig {
@@ -49,6 +51,7 @@ impl Default for PosixConfig {
             timeout_ms: 30_000,
             capacity_bytes: 0,
             device_id: 0,
+            spare_files: 32,
         }
     }
 }

@@ -85,9 +85,13 @@ impl Paths {
         &self.roots
     }
 
+    /// Index of the root a block lives under.
+    pub fn root_index(&self, id: &BlockId) -> usize {
+        (id.prefix_u64() % self.roots.len() as u64) as usize
+    }
+
     fn root_of(&self, id: &BlockId) -> &Path {
-        let n = self.roots.len() as u64;
-        &self.roots[(id.prefix_u64() % n) as usize]
+        &self.roots[self.root_index(id)]
     }
 
     /// Directory holding the block (and its temporaries).

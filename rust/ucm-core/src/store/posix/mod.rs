@@ -21,6 +21,7 @@ pub mod files;
 pub mod index;
 pub mod layout;
 pub mod scan;
+mod spare;
 mod writer;
 
 pub use config::{PosixConfig, MAX_SHARDS};
@@ -34,6 +35,7 @@ use parking_lot::{Condvar, Mutex};
 use self::files::{DirectAlign, Opener, Paths};
 use self::index::Index;
 use self::layout::{checksum_segs, round_up, Layout, ShardHeader, HEADER_LEN, REGION_ALIGN};
+use self::spare::SparePool;
 use self::writer::{BlockWriter, Claim};
 use super::Store;
 use crate::block::{BlockId, MemSeg, ShardIo};
@@ -87,12 +89,14 @@ struct Shared {
     inflight_cv: Condvar,
     max_inflight: usize,
     evict_signal: (Mutex<evict::Signal>, Condvar),
+    spares: SparePool,
 }
 
 struct Runtime {
     engine: Arc<dyn IoEngine>,
     workers: WorkerPool,
     evictor: Option<JoinHandle<()>>,
+    spare_filler: Option<JoinHandle<()>>,
 }
 
 /// One file per block under one or more directories.
@@ -121,7 +125,8 @@ impl PosixStore {
                 len: a.len.max(b.len),
             });
         let index = Arc::new(Index::default());
-        let report = scan::scan(&paths, &index, layout.file_len());
+        let file_len = layout.file_len();
+        let report = scan::scan(&paths, &index, file_len);
         log::info!(
             "posix store over {:?}: {} block(s), {} byte(s) found, {} stale temporary file(s) removed",
             cfg.storage_backends,
@@ -154,16 +159,37 @@ impl PosixStore {
             inflight_cv: Condvar::new(),
             max_inflight: (cfg.io_threads * 32).clamp(64, 1024),
             evict_signal: (Mutex::new(evict::Signal::default()), Condvar::new()),
+            spares: SparePool::new(
+                &cfg.storage_backends,
+                if cfg.transfers_enabled() {
+                    cfg.spare_files
+                } else {
+                    0
+                },
+                file_len,
+            ),
             cfg,
         });
         let workers = WorkerPool::new("ucm-posix", shared.cfg.io_threads)?;
         let evictor = evict::spawn(shared.clone())?;
+        let spare_filler = if shared.spares.enabled() {
+            let s = shared.clone();
+            Some(
+                std::thread::Builder::new()
+                    .name("ucm-posix-spare".into())
+                    .spawn(move || s.spares.run())
+                    .map_err(|e| UcmError::os("spawn thread", "ucm-posix-spare", e))?,
+            )
+        } else {
+            None
+        };
         Ok(PosixStore {
             shared,
             runtime: Mutex::new(Some(Runtime {
                 engine,
                 workers,
                 evictor: Some(evictor),
+                spare_filler,
             })),
             closed: AtomicBool::new(false),
         })
@@ -482,12 +508,14 @@ impl Shared {
                 return w.clone();
             }
         }
-        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let w = Arc::new(BlockWriter::new(
-            *block,
-            self.paths.temp(block, seq),
-            self.layout.shard_count,
-        ));
+        let tmp = self
+            .spares
+            .take(self.paths.root_index(block))
+            .unwrap_or_else(|| {
+                let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+                self.paths.temp(block, seq)
+            });
+        let w = Arc::new(BlockWriter::new(*block, tmp, self.layout.shard_count));
         writers.insert(*block, w.clone());
         w
     }
@@ -762,6 +790,11 @@ impl Store for PosixStore {
         if let Some(h) = rt.evictor.take() {
             let _ = h.join();
         }
+        self.shared.spares.stop();
+        if let Some(h) = rt.spare_filler.take() {
+            let _ = h.join();
+        }
+        self.shared.spares.discard();
         drop(rt.engine);
         Ok(())
     }

@@ -37,6 +37,10 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64) -> ScanReport {
         for sub in subdirs.flatten() {
             let name = sub.file_name();
             let name = name.to_string_lossy();
+            if name == super::spare::SPARE_DIR {
+                report.removed_temps += remove_stale_temps(&sub.path());
+                continue;
+            }
             if name.len() != 2 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
                 continue;
             }
@@ -72,6 +76,22 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64) -> ScanReport {
     index.advance_clock(found.len() as u64 + 1);
     report.blocks = found.len();
     report
+}
+
+/// Removes the stale temporaries directly under `dir`; returns how many.
+fn remove_stale_temps(dir: &Path) -> usize {
+    let Ok(files) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    files
+        .flatten()
+        .filter(|f| {
+            let name = f.file_name().to_string_lossy().to_string();
+            name.contains(TMP_MARKER)
+                && f.metadata().is_ok_and(|m| is_stale_temp(&name, &m))
+                && std::fs::remove_file(f.path()).is_ok()
+        })
+        .count()
 }
 
 /// A temporary is stale when its writer process is gone (or is us: nothing
