@@ -22,7 +22,11 @@ fn baseline_direct_io_gbps(
     let op = match op {
         "read" => IoOp::Read,
         "write" => IoOp::Write,
-        other => return Err(invalid(format!("op must be \"read\" or \"write\", got {other:?}"))),
+        other => {
+            return Err(invalid(format!(
+                "op must be \"read\" or \"write\", got {other:?}"
+            )))
+        }
     };
     py.detach(|| baseline_direct_io(&dir, op, total_bytes, io_size, queue_depth))
         .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))
