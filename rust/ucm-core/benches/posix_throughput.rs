@@ -78,21 +78,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize, tensors: usize) {
     let dir = bench_dir();
-    let case = format!(
-        "{}/{}/{}KiB{}",
-        if engine == IoEngineKind::Uring {
-            "uring"
-        } else {
-            "psync"
-        },
-        if direct { "direct" } else { "buffered" },
-        shard >> 10,
-        if tensors > 1 {
-            format!("x{tensors}t")
-        } else {
-            String::new()
-        }
-    );
+    let case = case_name(engine, direct, shard, tensors);
     let store = PosixStore::open(PosixConfig {
         storage_backends: vec![dir.path().to_path_buf()],
         block_size: shard,
@@ -190,14 +176,41 @@ fn remove_round(store: &PosixStore, shard: usize, round: u64) {
 }
 
 fn benches(c: &mut Criterion) {
+    // UCM_BENCH_CASES=direct/1024 (a substring of the case names) narrows the run.
+    let only = std::env::var("UCM_BENCH_CASES").unwrap_or_default();
     for engine in [IoEngineKind::Psync, IoEngineKind::Uring] {
         for direct in [true, false] {
-            for shard in [64 << 10, 256 << 10, 1 << 20, 4 << 20] {
-                run_case(c, engine, direct, shard, 1);
+            for (shard, tensors) in [
+                (64 << 10, 1),
+                (256 << 10, 1),
+                (1 << 20, 1),
+                (4 << 20, 1),
+                (1 << 20, 32),
+            ] {
+                if case_name(engine, direct, shard, tensors).contains(&only) {
+                    run_case(c, engine, direct, shard, tensors);
+                }
             }
-            run_case(c, engine, direct, 1 << 20, 32);
         }
     }
+}
+
+fn case_name(engine: IoEngineKind, direct: bool, shard: usize, tensors: usize) -> String {
+    format!(
+        "{}/{}/{}KiB{}",
+        if engine == IoEngineKind::Uring {
+            "uring"
+        } else {
+            "psync"
+        },
+        if direct { "direct" } else { "buffered" },
+        shard >> 10,
+        if tensors > 1 {
+            format!("x{tensors}t")
+        } else {
+            String::new()
+        }
+    )
 }
 
 criterion_group!(group, benches);
