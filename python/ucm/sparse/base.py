@@ -1,0 +1,335 @@
+"""``UcmSparseBase``: the lifecycle hooks a sparse-attention method implements.
+
+A method is built twice, once per process role, exactly like a vLLM KV
+connector: the **scheduler** instance (in the EngineCore process) decides how
+many KV slots each request gets; the **worker** instance (in the model-runner
+process) selects blocks, moves KV and runs the sparse attention. The two never
+share memory; the only scheduler-to-worker channel is the per-request slot
+budget the hook layer forwards with the scheduler output.
+
+Every hook has a pass-through default, so a method overrides only what it
+needs (the seed's extension example overrides ``build_sparse_meta``,
+``attention_begin`` and ``attention_finished``). Hooks are called by
+:mod:`ucm.sparse.vllm_hooks` in this order:
+
+======  =================================  =========  ==========================================
+ #      hook                               role       called from
+======  =================================  =========  ==========================================
+ 1      ``__init__(role=SCHEDULER)``       scheduler  ``Scheduler.__init__``
+ 2      :meth:`request_begin`              scheduler  ``Scheduler.add_request``
+ 3      :meth:`estimate_num_slots_sparsed` scheduler  ``Scheduler.schedule``, every request, step
+ 4      :meth:`allocate_slots`             scheduler  ``KVCacheManager.allocate_slots`` if 3 != -1
+ 5      :meth:`update_state_after_alloc`   scheduler  after 4
+ 6      :meth:`request_finished_in_scheduler` sched.  ``Scheduler._free_request``
+ 7      ``__init__(role=WORKER)``          worker     after the KV connector exists
+ 8      :meth:`initialize_kv_cache_tensors` worker    once, after the KV cache is allocated
+ 9      :meth:`update_states`, then
+        :meth:`request_finished_in_worker` worker     ``ModelRunner._update_states``
+ 10     :meth:`build_sparse_meta`          worker     before the forward, every step
+ 11     :meth:`execute_begin`              worker     before the forward
+ 12     :meth:`layer_begin`                worker     each decoder layer
+ 13     :meth:`attention_begin`            worker     each attention layer, after the layer load
+ 14     :meth:`attention_finished`         worker     after the attention, before the layer save
+ 15     :meth:`ffn_begin` / :meth:`ffn_finished`  w.  around the MLP
+ 16     :meth:`layer_finished`             worker     end of each decoder layer
+ 17     :meth:`execute_finished`           worker     after the forward
+======  =================================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Returned by :meth:`UcmSparseBase.estimate_num_slots_sparsed`: the request is
+#: not sparsed this step, allocate its slots the dense way.
+INVALID_SLOT = -1
+
+
+class UcmSparseRole(enum.Enum):
+    """Which process an instance lives in."""
+
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class SparseModelInfo:
+    """What a method needs to know about the model and the engine.
+
+    Built from a vLLM config by :meth:`from_vllm_config` (duck-typed, no vLLM
+    import) or directly by tests and benchmarks.
+    """
+
+    block_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int = 1 << 20
+    max_num_seqs: int = 256
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> SparseModelInfo:
+        """Reads block size, layer and head counts from a vLLM ``VllmConfig``."""
+        mc = vllm_config.model_config
+        pc = vllm_config.parallel_config
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+        return cls(
+            block_size=int(vllm_config.cache_config.block_size),
+            num_layers=int(mc.get_num_layers(pc)),
+            num_heads=int(mc.get_num_attention_heads(pc)),
+            num_kv_heads=int(mc.get_num_kv_heads(pc)),
+            head_dim=int(mc.get_head_size()),
+            max_model_len=int(mc.max_model_len),
+            max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
+            dtype=mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.float32,
+            device=str(device or "cpu"),
+        )
+
+
+@dataclass
+class UcmSparseMetadata:
+    """Per-step worker metadata built by :meth:`UcmSparseBase.build_sparse_meta`.
+
+    Methods subclass it; ``requests`` maps request id to the method's
+    per-request view of the step.
+    """
+
+    step: int = 0
+    requests: dict[str, Any] = field(default_factory=dict)
+
+
+class UcmSparseBase:
+    """Base class of sparse-attention methods (ESA, GSA, KVStar, user methods).
+
+    Subclasses are registered with
+    :meth:`ucm.sparse.factory.UcmSparseFactory.register_sparse_method` and
+    selected by ``ucm_sparse_config: {NAME: {...}}`` in the connector config.
+    ``config_class`` names the method's config dataclass (``None``: the
+    method takes the raw mapping).
+
+    Contracts shared by all hooks:
+
+    * Scheduler hooks run on the scheduler's thread and must not touch
+      tensors; worker hooks may launch device work but must not block on the
+      store except where the hook says so.
+    * A hook that returns tensors returns the ones it was given when it does
+      nothing (the defaults do exactly that).
+    * Hooks must tolerate requests they have never seen (e.g. after a
+      restart of the other role) by treating them as dense.
+    """
+
+    config_class: type | None = None
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        role: UcmSparseRole,
+        config: Any = None,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.role = role
+        self.config = config
+        self._sparse_metadata: UcmSparseMetadata | None = None
+        if isinstance(vllm_config, SparseModelInfo):
+            self.model_info: SparseModelInfo | None = vllm_config
+        elif vllm_config is None:
+            self.model_info = None
+        else:
+            self.model_info = SparseModelInfo.from_vllm_config(vllm_config)
+
+    # ------------------------------------------------------------------
+    # Scheduler-side hooks
+    # ------------------------------------------------------------------
+
+    def request_begin(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """A request entered the scheduler (``Scheduler.add_request``).
+
+        Called once per request, before it is first scheduled. Use it for
+        per-request bookkeeping keyed by ``request_id``.
+        """
+
+    def estimate_num_slots_sparsed(self, request: Any) -> int:
+        """KV token slots ``request`` needs this step, or :data:`INVALID_SLOT`.
+
+        Called by ``Scheduler.schedule`` for each running and waiting request,
+        every step, before allocation. ``request`` has at least
+        ``request_id``, ``num_prompt_tokens``, ``num_output_tokens`` and
+        ``num_computed_tokens``. A value ``n >= 0`` is the *compressed*
+        length the request's device KV must hold after this step (the worker
+        writes the new token at compressed position ``n - 1``; RoPE positions
+        stay the true ones). Must be side-effect free: the scheduler may ask
+        again (e.g. after preemption).
+        """
+        return INVALID_SLOT
+
+    def allocate_slots(self, kv_cache_manager: Any, request: Any, num_slots_sparsed: int) -> Any:
+        """Allocates device blocks for ``num_slots_sparsed`` compressed slots.
+
+        Called instead of the dense allocation when
+        :meth:`estimate_num_slots_sparsed` returned ``n != INVALID_SLOT``.
+        Returns what ``KVCacheManager.allocate_slots`` returns (the new
+        blocks), or ``None`` when there is not enough free memory, in which
+        case the scheduler preempts as for a dense request. It may free blocks
+        (the request's prompt blocks that now live only in the store).
+        """
+        return None
+
+    def update_state_after_alloc(self, request: Any, num_blocks: int) -> None:
+        """The request now holds ``num_blocks`` device blocks (informational)."""
+
+    def request_finished_in_scheduler(self, request_id: str) -> None:
+        """The request finished or was aborted; drop scheduler-side state."""
+
+    # ------------------------------------------------------------------
+    # Worker-side hooks
+    # ------------------------------------------------------------------
+
+    def initialize_kv_cache_tensors(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Called once with every layer's paged KV tensor, after allocation.
+
+        Methods that keep side caches of the same paging (GSA's key codes)
+        allocate them here.
+        """
+
+    def update_states(self, scheduler_output: Any) -> None:
+        """Per step, before :meth:`build_sparse_meta`: new, resumed and preempted
+        requests. A preempted request's selection state must be reset (its
+        device KV is gone)."""
+
+    def request_finished_in_worker(self, request_id: str) -> None:
+        """The request finished; drop worker-side state (representatives,
+        selections, pending retrievals)."""
+
+    def build_sparse_meta(
+        self,
+        scheduler_output: Any,
+        requests: Any = None,
+        input_batch: Any = None,
+        attn_metadata: Any = None,
+    ) -> UcmSparseMetadata:
+        """Builds this step's metadata and binds it (:meth:`bind_sparse_metadata`).
+
+        Runs before the forward on the worker. The default binds an empty
+        :class:`UcmSparseMetadata`.
+        """
+        meta = UcmSparseMetadata()
+        self.bind_sparse_metadata(meta)
+        return meta
+
+    def bind_sparse_metadata(self, meta: UcmSparseMetadata) -> None:
+        """Makes ``meta`` current for this step's layer hooks."""
+        self._sparse_metadata = meta
+
+    def clear_sparse_metadata(self) -> None:
+        """Drops the current metadata (after :meth:`execute_finished`)."""
+        self._sparse_metadata = None
+
+    def has_sparse_metadata(self) -> bool:
+        return self._sparse_metadata is not None
+
+    @property
+    def sparse_metadata(self) -> UcmSparseMetadata | None:
+        return self._sparse_metadata
+
+    def execute_begin(self, scheduler_output: Any) -> None:
+        """Before the forward: start asynchronous work for the step (e.g. wait
+        for retrievals submitted in earlier steps, issue loads)."""
+
+    def execute_finished(self, logits_indices: torch.Tensor) -> torch.Tensor:
+        """After the forward: finish the step's work. Returns the logits
+        indices (a method that drops tokens remaps them)."""
+        return logits_indices
+
+    def layer_begin(
+        self,
+        layer_idx: int,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Start of a decoder layer; may shrink the token set (Blend-style)."""
+        return positions, hidden_states, residual
+
+    def layer_finished(
+        self,
+        layer_idx: int,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """End of a decoder layer."""
+        return positions, hidden_states, residual
+
+    def ffn_begin(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Before the MLP of a decoder layer."""
+        return hidden_states, residual
+
+    def ffn_finished(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the MLP of a decoder layer."""
+        return hidden_states, residual
+
+    def attention_begin(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_name: str,
+        forward_context: Any = None,
+        output: torch.Tensor | None = None,
+        phase: str | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Before one attention layer's kernel (after its KV layer load).
+
+        May wait for block loads into this layer, swap the layer's block table
+        and sequence lengths for the selected ones, or replace q/k/v/output.
+        ``phase`` is ``"prefill"``, ``"decode"`` or ``None`` (mixed batch).
+        """
+        return query, key, value, output
+
+    def attention_finished(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_output: torch.Tensor,
+        layer_name: str,
+        forward_context: Any = None,
+        phase: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """After one attention layer's kernel, before its KV layer save.
+
+        Build representatives (end of prefill), start retrievals, restore the
+        metadata swapped in :meth:`attention_begin`.
+        """
+
+    def sparse_attention(
+        self,
+        layer_name: str,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+    ) -> bool:
+        """Optionally computes a layer's decode attention itself.
+
+        Returns True when ``output`` was filled (the hook layer then skips the
+        backend's attention for those tokens; the new K/V were already written
+        to ``kv_cache``). The default declines.
+        """
+        return False
+
+    def shutdown(self) -> None:
+        """Releases threads and buffers (engine shutdown)."""

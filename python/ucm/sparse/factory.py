@@ -1,0 +1,96 @@
+"""``UcmSparseFactory``: sparse-attention methods by name, imported lazily.
+
+>>> UcmSparseFactory.register_sparse_method("MySparse", "my_module.sparse", "MySparse")
+... # doctest: +SKIP
+
+Built-in names: ``ESA``, ``GSA`` (alias ``GSAOnDevice``) and ``KVStar`` (alias
+``KVStarMultiStep``), the aliases being the original UCM's names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+from ucm.shared.config import ConfigError
+from ucm.sparse.base import UcmSparseBase, UcmSparseRole
+
+
+class UcmSparseFactory:
+    """Registry of :class:`UcmSparseBase` subclasses by name."""
+
+    _registry: ClassVar[dict[str, tuple[str, str]]] = {
+        "ESA": ("ucm.sparse.esa", "ESA"),
+        "GSA": ("ucm.sparse.gsa", "GSA"),
+        "KVStar": ("ucm.sparse.kvstar", "KVStar"),
+    }
+    _aliases: ClassVar[dict[str, str]] = {
+        "GSAOnDevice": "GSA",
+        "KVStarMultiStep": "KVStar",
+    }
+
+    @classmethod
+    def register_sparse_method(cls, name: str, module_path: str, class_name: str) -> None:
+        """Registers ``module_path.class_name`` under ``name`` (imported on first use).
+
+        Raises ``ValueError`` if the name (or an alias) is taken.
+        """
+        if name in cls._registry or name in cls._aliases:
+            raise ValueError(f"sparse method {name!r} is already registered")
+        cls._registry[name] = (module_path, class_name)
+
+    @classmethod
+    def unregister_sparse_method(cls, name: str) -> None:
+        """Removes a registration (mostly for tests)."""
+        cls._registry.pop(name, None)
+
+    @classmethod
+    def registered(cls) -> list[str]:
+        """Canonical names that can be created."""
+        return sorted(cls._registry)
+
+    @classmethod
+    def canonical_name(cls, name: str) -> str:
+        """``name`` with aliases resolved; :class:`ConfigError` if unknown."""
+        name = cls._aliases.get(name, name)
+        if name not in cls._registry:
+            raise ConfigError(
+                f"unknown sparse method {name!r} in ucm_sparse_config; "
+                f"registered: {', '.join(cls.registered())}"
+            )
+        return name
+
+    @classmethod
+    def get_class(cls, name: str) -> type[UcmSparseBase]:
+        """Imports and returns the class registered under ``name``."""
+        name = cls.canonical_name(name)
+        module_path, class_name = cls._registry[name]
+        module = importlib.import_module(module_path)
+        method_cls = getattr(module, class_name, None)
+        if method_cls is None:
+            raise ConfigError(f"sparse method {name!r}: {module_path} has no {class_name!r}")
+        if not (isinstance(method_cls, type) and issubclass(method_cls, UcmSparseBase)):
+            raise ConfigError(
+                f"sparse method {name!r}: {module_path}.{class_name} is not a UcmSparseBase"
+            )
+        return method_cls
+
+    @classmethod
+    def create_sparse_method(
+        cls,
+        name: str,
+        vllm_config: Any,
+        role: UcmSparseRole,
+        config: Any = None,
+    ) -> UcmSparseBase:
+        """Builds the method ``name`` for ``role``.
+
+        ``config`` is the method's parsed config dataclass or its raw mapping
+        (parsed here with the method's ``config_class``).
+        """
+        from ucm.sparse.config import build_method_config
+
+        method_cls = cls.get_class(name)
+        if config is None or isinstance(config, dict):
+            config = build_method_config(cls.canonical_name(name), config or {})
+        return method_cls(vllm_config, role, config)

@@ -1,0 +1,204 @@
+"""Block arithmetic of sparsed requests, and KV-cache views for the kernels.
+
+**Offload layout** (ESA, KVStar). A prompt of ``P`` tokens covers
+``N = ceil(P / B)`` logical blocks, split into
+
+* the *init window*: blocks ``[0, n_init)``;
+* the *middle*: ``R = N - n_init - n_local`` full blocks, of which ``k`` are
+  kept in device KV at a time (the others live only in the UCM store);
+* the *local window*: the last ``n_local`` blocks (the partial tail, if any,
+  is one of them), followed by every decode token.
+
+The request's device KV is *compressed*: ``[init | k swap slots | local |
+decode]``, so its device length is
+``n_init*B + k*B + local_tokens + num_output_tokens`` where ``local_tokens`` is
+``n_local*B`` if ``P % B == 0`` and ``P % B + (n_local - 1)*B`` otherwise
+(the original ESA budget). Every device block except the last is full, which
+is what the paged decode kernel needs. RoPE positions stay the true ones; only
+the KV slot a new token is written to is compressed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ucm.sparse.triton_utils import cdiv
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Block split of one sparsed request (see the module doc)."""
+
+    prompt_len: int
+    block_size: int
+    n_init: int
+    n_local: int
+    num_selected: int
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        return cdiv(self.prompt_len, self.block_size)
+
+    @property
+    def num_middle(self) -> int:
+        """``R``: candidate blocks for selection."""
+        return self.num_prompt_blocks - self.n_init - self.n_local
+
+    @property
+    def middle_start(self) -> int:
+        """Logical index of the first middle block."""
+        return self.n_init
+
+    @property
+    def middle_end(self) -> int:
+        """Logical index one past the last middle block."""
+        return self.num_prompt_blocks - self.n_local
+
+    @property
+    def local_tokens(self) -> int:
+        rem = self.prompt_len % self.block_size
+        if rem == 0:
+            return self.n_local * self.block_size
+        return rem + (self.n_local - 1) * self.block_size
+
+    @property
+    def device_prompt_tokens(self) -> int:
+        """Prompt tokens held in device KV once the request is compressed."""
+        return (self.n_init + self.num_selected) * self.block_size + self.local_tokens
+
+    def compressed_len(self, num_output_tokens: int) -> int:
+        """Device KV length with ``num_output_tokens`` decode tokens appended."""
+        return self.device_prompt_tokens + num_output_tokens
+
+    def device_blocks(self, num_output_tokens: int) -> int:
+        """Device blocks the compressed request holds."""
+        return cdiv(self.compressed_len(num_output_tokens), self.block_size)
+
+    def dense_blocks(self, num_output_tokens: int) -> int:
+        """Device blocks the request would hold without sparsity."""
+        return cdiv(self.prompt_len + num_output_tokens, self.block_size)
+
+    @property
+    def swap_slot_start(self) -> int:
+        """Compressed block index of swap slot 0 (right after the init window)."""
+        return self.n_init
+
+    @property
+    def local_start(self) -> int:
+        """Compressed block index of the first local-window block."""
+        return self.n_init + self.num_selected
+
+    def attention_view(
+        self, device_blocks: list[int], active_slots: list[int], num_output_tokens: int
+    ) -> tuple[list[int], int]:
+        """Block ids and length the attention reads this step.
+
+        ``device_blocks`` is the request's compressed block-table row; swap
+        slots not in ``active_slots`` (empty, or being loaded) are left out,
+        which keeps every block but the last one full.
+        """
+        nb = self.device_blocks(num_output_tokens)
+        if len(device_blocks) < nb:
+            raise ValueError(f"block table row has {len(device_blocks)} blocks, need {nb}")
+        k0 = self.swap_slot_start
+        blocks = list(device_blocks[:k0])
+        blocks += [device_blocks[k0 + s] for s in sorted(active_slots)]
+        blocks += list(device_blocks[self.local_start : nb])
+        dropped = self.num_selected - len(active_slots)
+        return blocks, self.compressed_len(num_output_tokens) - dropped * self.block_size
+
+    def compressed_block_of_logical(self, logical: int) -> int | None:
+        """Compressed index of a logical prompt block in a fixed window (None: middle)."""
+        if logical < self.n_init:
+            return logical
+        if logical >= self.middle_end:
+            return self.local_start + (logical - self.middle_end)
+        return None
+
+
+def make_offload_plan(
+    prompt_len: int,
+    block_size: int,
+    n_init: int,
+    n_local: int,
+    sparse_ratio: float,
+    min_blocks: int,
+    rounding: str = "floor",
+) -> OffloadPlan | None:
+    """The plan of a request, or None when it stays dense.
+
+    A request stays dense when it is shorter than ``min_blocks`` blocks, has no
+    middle blocks, or would keep all of them (``sparse_ratio`` 1.0): sparsity
+    is then skipped entirely, so the output is exactly the dense one.
+    ``rounding`` is ``"floor"`` (ESA) or ``"ceil"`` (KVStar).
+    """
+    n = cdiv(prompt_len, block_size)
+    if prompt_len <= 0 or n < min_blocks:
+        return None
+    r = n - n_init - n_local
+    if r <= 0:
+        return None
+    k = math.floor(r * sparse_ratio) if rounding == "floor" else math.ceil(r * sparse_ratio)
+    k = max(0, min(r, k))
+    if k >= r:
+        return None
+    return OffloadPlan(prompt_len, block_size, n_init, n_local, k)
+
+
+def gsa_topk_blocks(
+    seq_len: int, block_size: int, topk_tokens: int | None, sparse_ratio: float | None
+) -> int:
+    """Blocks GSA keeps for a sequence of ``seq_len`` tokens (all of them if fewer)."""
+    nb = cdiv(seq_len, block_size)
+    if topk_tokens is not None:
+        k = cdiv(topk_tokens, block_size)
+    else:
+        k = math.ceil(nb * float(sparse_ratio or 1.0))
+    return max(1, min(nb, k))
+
+
+def gsa_shortened_len(seq_len: int, block_size: int, keep_blocks: int) -> int:
+    """Sequence length over ``keep_blocks`` selected blocks, the partial tail kept.
+
+    The tail block is always selected (it is recent), so the shortened length
+    drops only whole blocks: ``seq_len - (nblocks - keep_blocks) * B``.
+    """
+    nb = cdiv(seq_len, block_size)
+    return seq_len - max(0, nb - keep_blocks) * block_size
+
+
+# ----------------------------------------------------------------------------
+# KV-cache views in the kernels' logical layout [num_blocks, B, H_kv, D]
+# ----------------------------------------------------------------------------
+
+
+def flash_kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of a vLLM GPU (flash-attn layout) cache ``[2, NB, B, H, D]``."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"expected [2, num_blocks, B, H, D], got {tuple(kv_cache.shape)}")
+    return kv_cache[0], kv_cache[1]
+
+
+def cpu_kv_cache_views(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of one layer of the vLLM CPU cache, without copying.
+
+    The CPU attention backend stores a layer as ``[NB, H, N, 2C]``, where each
+    ``(block, head)`` slab of ``2*N*C`` elements holds K transposed
+    (``[C, N]``, head-dim major) then V (``[N, C]``). See
+    ``shared/reference/vllm-on-cpu.md`` (KV cache layout). The returned views
+    have the logical shape ``[NB, N, H, C]`` every kernel here takes.
+    """
+    if kv_layer.dim() != 4 or kv_layer.shape[-1] % 2:
+        raise ValueError(f"expected [num_blocks, H, N, 2C], got {tuple(kv_layer.shape)}")
+    if not kv_layer.is_contiguous():
+        raise ValueError("the CPU KV layer must be contiguous")
+    nb, h, n, c2 = kv_layer.shape
+    c = c2 // 2
+    slab = 2 * n * c
+    off = kv_layer.storage_offset()
+    k = kv_layer.as_strided((nb, n, h, c), (h * slab, 1, slab, n), off)
+    v = kv_layer.as_strided((nb, n, h, c), (h * slab, c, slab, 1), off + n * c)
+    return k, v

@@ -1,0 +1,513 @@
+"""Triton kernels of the sparse-attention ops (the ``@triton.jit`` layer).
+
+Each kernel has a launcher in :mod:`ucm.sparse.ops.launchers` (asserts,
+strides, grid, constexpr choice) and a plain-torch specification in
+:mod:`ucm.sparse.ops.reference`; tensor shapes are documented there.
+
+Conventions:
+
+* Every tensor is passed with all of its strides, so permuted or strided views
+  (e.g. the vLLM CPU KV layout) are read in place.
+* Block ids, pool slots and anything multiplied by a large stride are widened
+  to int64 before address arithmetic (a paged cache easily exceeds 2**31
+  elements).
+* Tile sizes are ``tl.constexpr`` powers of two; ``*_PAD`` is the padded size
+  of a dimension whose true size is the matching unpadded constexpr.
+"""
+
+from __future__ import annotations
+
+from ucm.sparse.triton_utils import tl, triton
+
+
+@triton.jit
+def _popcount32(x):
+    """Set bits of each 32-bit lane (SWAR; works on CUDA and in the interpreter)."""
+    v = x.to(tl.uint32, bitcast=True)
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    v = (v * 0x01010101) >> 24
+    return v.to(tl.int32)
+
+
+@triton.jit
+def block_repr_kernel(
+    k_ptr,
+    block_ids_ptr,
+    num_tokens_ptr,
+    ch_ptr,
+    out_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_cn,
+    stride_ch,
+    stride_cd,
+    stride_on,
+    stride_om,
+    stride_oh,
+    stride_od,
+    BLOCK_SIZE: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+    NUM_REPS: tl.constexpr,
+    DP: tl.constexpr,
+    DP_PAD: tl.constexpr,
+    HAS_CHANNELS: tl.constexpr,
+):
+    """Grid ``(n, H_kv)``: mean of each ``C``-token sub-block of one block and kv head.
+
+    ``out[i, m, h, :] = mean_{t in sub-block m, t < num_tokens[i]} k[block_ids[i], t, h, ch]``
+    """
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    blk = tl.load(block_ids_ptr + i).to(tl.int64)
+    ntok = tl.minimum(tl.load(num_tokens_ptr + i).to(tl.int32), BLOCK_SIZE)
+    offs_d = tl.arange(0, DP_PAD)
+    mask_d = offs_d < DP
+    if HAS_CHANNELS:
+        ch = tl.load(
+            ch_ptr + i * stride_cn + h * stride_ch + offs_d * stride_cd, mask=mask_d, other=0
+        ).to(tl.int64)
+    else:
+        ch = offs_d.to(tl.int64)
+    base = k_ptr + blk * stride_kb + h * stride_kh
+    offs_t = tl.arange(0, C_PAD)
+    for m in range(NUM_REPS):
+        tok = m * C + offs_t
+        mask_t = (offs_t < C) & (tok < ntok)
+        ptrs = base + tok[:, None].to(tl.int64) * stride_kt + ch[None, :] * stride_kd
+        x = tl.load(ptrs, mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        cnt = tl.sum(mask_t.to(tl.float32), axis=0)
+        mean = tl.sum(x, axis=0) / tl.maximum(cnt, 1.0)
+        tl.store(
+            out_ptr + i * stride_on + m * stride_om + h * stride_oh + offs_d * stride_od,
+            mean,
+            mask=mask_d,
+        )
+
+
+@triton.jit
+def block_score_dot_kernel(
+    q_ptr,
+    rep_ptr,
+    table_ptr,
+    nreps_ptr,
+    out_ptr,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_rp,
+    stride_rh,
+    stride_rd,
+    stride_ts,
+    stride_tn,
+    stride_os,
+    stride_on,
+    n_max,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid ``(S, cdiv(n_max, BLOCK_N))``: ESA scores of ``BLOCK_N`` candidate blocks.
+
+    ``out[s, j] = sum_h <mean_g q[s, h*G+g], rep[table[s, j], h]>``;
+    ``-inf`` past ``num_reps[s]``.
+    """
+    s = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.load(nreps_ptr + s)
+    mask_n = offs_n < n
+    slots = tl.load(table_ptr + s * stride_ts + offs_n * stride_tn, mask=mask_n, other=0)
+    slots = slots.to(tl.int64)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    mask_q = (offs_g < GROUP)[:, None] & mask_d[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for h in range(NUM_KV_HEADS):
+        q_ptrs = q_ptr + s * stride_qs + (h * GROUP + offs_g)[:, None] * stride_qh
+        qh = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=mask_q, other=0.0)
+        qm = tl.sum(qh.to(tl.float32), axis=0) / GROUP
+        r_ptrs = rep_ptr + slots[:, None] * stride_rp + h * stride_rh + offs_d[None, :] * stride_rd
+        r = tl.load(r_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(r * qm[None, :], axis=1)
+    acc = tl.where(mask_n, acc, float("-inf"))
+    tl.store(out_ptr + s * stride_os + offs_n * stride_on, acc, mask=offs_n < n_max)
+
+
+@triton.jit
+def kvstar_vote_kernel(
+    q_ptr,
+    rep_ptr,
+    table_ptr,
+    nreps_ptr,
+    ch_ptr,
+    out_ptr,
+    stride_qs,
+    stride_qx,
+    stride_qh,
+    stride_qd,
+    stride_rp,
+    stride_rm,
+    stride_rh,
+    stride_rd,
+    stride_ts,
+    stride_tn,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_os,
+    stride_ov,
+    stride_on,
+    scale,
+    NUM_HEADS_Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    DP: tl.constexpr,
+    DP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid ``(S, X * H_q)``: one query's softmax mass per candidate block.
+
+    Two passes over the ``n * M`` sub-block representatives: the first finds
+    the softmax max and normaliser (online), the second writes each block's
+    mass to ``out[s, x * H_q + H, j]``; the launcher sums over the middle axis.
+    """
+    s = tl.program_id(0).to(tl.int64)
+    v = tl.program_id(1)
+    x = v // NUM_HEADS_Q
+    hq = v % NUM_HEADS_Q
+    h = hq // GROUP
+    n = tl.load(nreps_ptr + s)
+    offs_d = tl.arange(0, DP_PAD)
+    mask_d = offs_d < DP
+    offs_m = tl.arange(0, M_PAD)
+    mask_m = offs_m < M
+    ch = tl.load(ch_ptr + s * stride_cs + h * stride_ch + offs_d * stride_cd, mask=mask_d, other=0)
+    q_ptrs = q_ptr + s * stride_qs + x * stride_qx + hq * stride_qh
+    qv = tl.load(q_ptrs + ch.to(tl.int64) * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
+    qv = qv * scale
+    m_i = tl.max(tl.full([M_PAD], float("-inf"), tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([M_PAD], tl.float32), axis=0)
+    for start in range(0, n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n
+        slots = tl.load(table_ptr + s * stride_ts + offs_n * stride_tn, mask=mask_n, other=0)
+        r_ptrs = (
+            rep_ptr
+            + slots.to(tl.int64)[:, None, None] * stride_rp
+            + offs_m[None, :, None] * stride_rm
+            + h * stride_rh
+            + offs_d[None, None, :] * stride_rd
+        )
+        mask_r = mask_n[:, None, None] & mask_m[None, :, None] & mask_d[None, None, :]
+        r = tl.load(r_ptrs, mask=mask_r, other=0.0).to(tl.float32)
+        logit = tl.sum(r * qv[None, None, :], axis=2)
+        logit = tl.where(mask_n[:, None] & mask_m[None, :], logit, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(tl.max(logit, axis=1), axis=0))
+        p = tl.exp(logit - m_new)
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.sum(p, axis=1), axis=0)
+        m_i = m_new
+    inv_l = 1.0 / l_i
+    for start in range(0, n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n
+        slots = tl.load(table_ptr + s * stride_ts + offs_n * stride_tn, mask=mask_n, other=0)
+        r_ptrs = (
+            rep_ptr
+            + slots.to(tl.int64)[:, None, None] * stride_rp
+            + offs_m[None, :, None] * stride_rm
+            + h * stride_rh
+            + offs_d[None, None, :] * stride_rd
+        )
+        mask_r = mask_n[:, None, None] & mask_m[None, :, None] & mask_d[None, None, :]
+        r = tl.load(r_ptrs, mask=mask_r, other=0.0).to(tl.float32)
+        logit = tl.sum(r * qv[None, None, :], axis=2)
+        logit = tl.where(mask_n[:, None] & mask_m[None, :], logit, float("-inf"))
+        mass = tl.sum(tl.exp(logit - m_i), axis=1) * inv_l
+        tl.store(out_ptr + s * stride_os + v * stride_ov + offs_n * stride_on, mass, mask=mask_n)
+
+
+@triton.jit
+def srp_encode_kernel(
+    x_ptr,
+    proj_ptr,
+    out_ptr,
+    slot_ptr,
+    n_rows,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    stride_pd,
+    stride_pb,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_ow,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NBITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    USE_SLOTS: tl.constexpr,
+):
+    """Grid ``(cdiv(T * H, BLOCK_R),)``: packed sign bits of ``x @ proj`` per (token, head).
+
+    Without slots the code of row ``(t, h)`` goes to ``out[t, h, :]``; with
+    slots it goes to the paged code cache ``out[slot // B, slot % B, h, :]``
+    and tokens whose slot is negative are skipped.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n_rows
+    t = (rows // NUM_HEADS).to(tl.int64)
+    h = (rows % NUM_HEADS).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    x_ptrs = x_ptr + t[:, None] * stride_xt + h[:, None] * stride_xh + offs_d[None, :] * stride_xd
+    x = tl.load(x_ptrs, mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    offs_b = tl.arange(0, NBITS)
+    w = tl.load(
+        proj_ptr + offs_d[:, None] * stride_pd + offs_b[None, :] * stride_pb,
+        mask=mask_d[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    proj = tl.dot(x, w, input_precision="ieee")
+    bits = (proj > 0).to(tl.uint32) << (offs_b % 32).to(tl.uint32)[None, :]
+    words = tl.sum(tl.reshape(bits, (BLOCK_R, NBITS // 32, 32)), axis=2).to(tl.uint32)
+    offs_w = tl.arange(0, NBITS // 32)
+    if USE_SLOTS:
+        slot = tl.load(slot_ptr + t, mask=mask_r, other=-1).to(tl.int64)
+        valid = mask_r & (slot >= 0)
+        slot = tl.where(valid, slot, 0)
+        base = (slot // CACHE_BLOCK) * stride_ob + (slot % CACHE_BLOCK) * stride_ot
+    else:
+        valid = mask_r
+        base = t * stride_ot
+    out_ptrs = out_ptr + (base + h * stride_oh)[:, None] + offs_w[None, :] * stride_ow
+    tl.store(out_ptrs, words.to(tl.int32, bitcast=True), mask=valid[:, None])
+
+
+@triton.jit
+def hamming_block_score_kernel(
+    qc_ptr,
+    kc_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_qs,
+    stride_qh,
+    stride_qw,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kw,
+    stride_ts,
+    stride_tn,
+    stride_os,
+    stride_on,
+    max_blocks,
+    NUM_KV_HEADS: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    B_PAD: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+):
+    """Grid ``(S, cdiv(max_blocks, BLOCK_NB))``: min Hamming distance per block.
+
+    Token distance = min over kv heads of the popcount of ``q ^ k`` summed over
+    words; block score = min over its valid tokens; sink and recent blocks get
+    -1 (forced), blocks past the sequence ``2**31 - 1`` (invalid).
+    """
+    s = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    sl = tl.load(seq_lens_ptr + s).to(tl.int32)
+    nb = (sl + BLOCK_SIZE - 1) // BLOCK_SIZE
+    mask_j = j < nb
+    blk = tl.load(table_ptr + s * stride_ts + j * stride_tn, mask=mask_j, other=0).to(tl.int64)
+    tok = tl.arange(0, B_PAD)
+    pos = j[:, None] * BLOCK_SIZE + tok[None, :]
+    valid = mask_j[:, None] & (tok < BLOCK_SIZE)[None, :] & (pos < sl)
+    base = kc_ptr + blk[:, None] * stride_kb + tok[None, :].to(tl.int64) * stride_kt
+    best = tl.full([BLOCK_NB, B_PAD], 2147483647, tl.int32)
+    for h in range(NUM_KV_HEADS):
+        dist = tl.zeros([BLOCK_NB, B_PAD], dtype=tl.int32)
+        for w in range(WORDS):
+            qw = tl.load(qc_ptr + s * stride_qs + h * stride_qh + w * stride_qw)
+            kw = tl.load(base + h * stride_kh + w * stride_kw, mask=valid, other=0)
+            dist += _popcount32(kw ^ qw)
+        best = tl.minimum(best, dist)
+    best = tl.where(valid, best, 2147483647)
+    score = tl.min(best, axis=1)
+    forced = (j < SINK) | (j >= nb - RECENT)
+    score = tl.where(forced, -1, score)
+    score = tl.where(mask_j, score, 2147483647)
+    tl.store(out_ptr + s * stride_os + j * stride_on, score, mask=j < max_blocks)
+
+
+@triton.jit
+def paged_decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ts,
+    stride_tn,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ad,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    scale,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Grid ``(S, H_kv, NUM_SPLITS)``: flash-decoding partials of one GQA group.
+
+    Split ``p`` covers a contiguous range of the sequence's blocks and writes
+    the unnormalised output ``acc``, running max ``m`` and normaliser ``l`` of
+    all ``G`` query heads of kv head ``h`` (the heads share each K/V tile).
+    ``IEEE`` asks for exact fp32 products (fp32 caches); ``UPCAST`` computes
+    both products in fp32 (the launcher sets it for 16-bit caches under the
+    interpreter, whose ``tl.dot`` mis-computes bfloat16 operands).
+    """
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    sl = tl.load(seq_lens_ptr + s).to(tl.int32)
+    nb = (sl + BLOCK_SIZE - 1) // BLOCK_SIZE
+    per = (nb + NUM_SPLITS - 1) // NUM_SPLITS
+    start = sp * per
+    end = tl.minimum(nb, start + per)
+    offs_g = tl.arange(0, GROUP_PAD)
+    mask_g = offs_g < GROUP
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = h * GROUP + offs_g
+    q_ptrs = q_ptr + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    k_base = k_ptr + h * stride_kh
+    v_base = v_ptr + h * stride_vh
+    for j in range(start, end):
+        blk = tl.load(table_ptr + s * stride_ts + j * stride_tn).to(tl.int64)
+        pos = j * BLOCK_SIZE + offs_n
+        mask_t = (offs_n < BLOCK_SIZE) & (pos < sl)
+        k_ptrs = (
+            k_base + blk * stride_kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd
+        )
+        k = tl.load(k_ptrs, mask=mask_t[None, :] & mask_d[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        qk = tl.where(mask_t[None, :], qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_ptrs = (
+            v_base + blk * stride_vb + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd
+        )
+        v = tl.load(v_ptrs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    a_ptrs = acc_ptr + s * stride_as + heads[:, None] * stride_ah + sp * stride_ap
+    tl.store(a_ptrs + offs_d[None, :] * stride_ad, acc, mask=mask_g[:, None] & mask_d[None, :])
+    ml_off = s * stride_ms + heads * stride_mh + sp * stride_mp
+    tl.store(m_ptr + ml_off, m_i, mask=mask_g)
+    tl.store(l_ptr + ml_off, l_i, mask=mask_g)
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ad,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    stride_os,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Grid ``(S, H_q)``: combines the split partials into the output (0 if no keys)."""
+    s = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    offs_p = tl.arange(0, SPLITS_PAD)
+    mask_p = offs_p < NUM_SPLITS
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    ml_off = s * stride_ms + hq * stride_mh + offs_p * stride_mp
+    m = tl.load(m_ptr + ml_off, mask=mask_p, other=float("-inf"))
+    l_part = tl.load(l_ptr + ml_off, mask=mask_p, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
+    live = m > float("-inf")
+    w = tl.where(live, tl.exp(tl.where(live, m, m_ref) - m_ref), 0.0)
+    total = tl.sum(w * l_part, axis=0)
+    a_ptrs = acc_ptr + s * stride_as + hq * stride_ah + offs_p[:, None] * stride_ap
+    acc = tl.load(
+        a_ptrs + offs_d[None, :] * stride_ad, mask=mask_p[:, None] & mask_d[None, :], other=0.0
+    )
+    num = tl.sum(acc * w[:, None], axis=0)
+    out = tl.where(total > 0, num / tl.where(total > 0, total, 1.0), 0.0)
+    o_ptrs = out_ptr + s * stride_os + hq * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)

