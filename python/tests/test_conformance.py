@@ -1,6 +1,8 @@
 """One conformance suite, run against every store backend: the built-in
-Posix store (both I/O engines, O_DIRECT on and off), the Empty store, and a
-store written in Python registered through the factory.
+Posix store (both I/O engines, O_DIRECT on and off), the Empty store, a
+store written in Python registered through the factory, and the Cache tier
+composed over each of them (``Cache|Posix``, ``Cache|Empty`` -- a memory-only
+store -- and ``Cache|TestDictStore``).
 
 Capability differences are data (``keeps_data``), not skipped tests.
 """
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARD, SHARDS, base_config
+from store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import (
     BlockNotFoundError,
@@ -39,7 +41,13 @@ BACKENDS = [
     Backend("posix-psync-direct"),
     Backend("empty", keeps_data=False, knows_layout=False),
     Backend("python-dict"),
+    Backend("cache-posix"),
+    Backend("cache-posix-sync"),
+    Backend("cache-empty"),
+    Backend("cache-python-dict"),
 ]
+
+CACHE_KEYS = {"cache_buffer_capacity_gb": 0.02, "write_back_interval": 0.01}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,6 +71,19 @@ def backend(
         store = UcmConnectorFactory.create_connector(
             "UcmPipelineStore", {"store_pipeline": "Empty"}
         )
+    elif b.name.startswith("cache"):
+        below = {"posix": "Posix", "empty": "Empty", "python": "TestDictStore"}[
+            b.name.split("-")[1]
+        ]
+        cfg = base_config(root, store_pipeline=f"Cache|{below}", **CACHE_KEYS)
+        if below != "Posix":
+            del cfg["storage_backends"]
+        if below == "Empty":
+            del cfg["tensor_size_list"]
+            cfg["tensor_size"] = SHARD // 2
+        if b.name.endswith("sync"):
+            cfg["write_back_policy"] = "sync"
+        store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
     else:
         cfg = base_config(root)
         store = UcmConnectorFactory.create_connector("TestDictStore", cfg)

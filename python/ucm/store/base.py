@@ -104,6 +104,19 @@ class UcmKVStoreBase(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Finishes in-flight work and releases resources."""
 
+    def flush(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Forces every block accepted by ``dump`` down to persistent storage;
+        raises if some could not be written. Write-through stores have nothing
+        to do."""
+
+    def get_stats(self) -> dict[str, float]:
+        """The store's figures (hit rates, latencies, bytes, ...); empty by
+        default. Pipelines with a ``Cache`` stage report ``l1_hit_rate``,
+        ``l2_hit_rate``, ``avg_load_latency_ms``, ``p99_load_latency_ms``,
+        ``eviction_count``, bytes loaded and dumped per tier, ``dirty_blocks``
+        and ``write_back_failures``."""
+        return {}
+
     def __enter__(self) -> UcmKVStoreBase:
         return self
 

@@ -62,6 +62,14 @@ class UcmConnectorFactory:
         return store_cls
 
     @classmethod
+    def stage_config_keys(cls, name: str) -> list[str] | None:
+        """Config keys the store registered under ``name`` accepts as a
+        pipeline stage: its ``config_keys`` class attribute, or ``None``
+        (the whole flat config) when it declares none."""
+        keys = getattr(cls.get_class(name), "config_keys", None)
+        return None if keys is None else list(keys)
+
+    @classmethod
     def create_connector(cls, name: str, config: Mapping[str, Any]) -> UcmKVStoreBase:
         """Creates the store registered under ``name`` with ``config``."""
         return cls.get_class(name)(dict(config))

@@ -1,11 +1,19 @@
 """``UcmPipelineStore``: the built-in stores behind the common API.
 
-``store_pipeline`` names the stages top to bottom. This release provides the
-single stages ``"Posix"`` and ``"Empty"``, implemented in the Rust core.
+``store_pipeline`` names the stages top to bottom: ``"Posix"``, ``"Empty"``,
+``"Cache|Posix"``, ``"Cache|Empty"``, or ``"Cache|<name>"`` where ``<name>``
+is a store registered through :class:`~ucm.store.factory.UcmConnectorFactory`
+(a :class:`~ucm.store.base.UcmKVStoreBase` subclass written in Python).
+
+The stack is composed in the Rust core: the bottom stage is opened first,
+then each ``Cache`` is built over it, so a ``Cache|Posix`` transfer never
+crosses into Python. A Python stage under the cache is called back (with the
+GIL) only for cache misses, write-backs and lookups the cache can't answer.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,7 +21,13 @@ import numpy as np
 
 from ucm import _native
 from ucm.store.base import Task, UcmKVStoreBase
-from ucm.store.config import GIB, EmptyStoreConfig, PipelineStoreConfig, PosixStoreConfig
+from ucm.store.config import (
+    GIB,
+    CacheStoreConfig,
+    EmptyStoreConfig,
+    PipelineStoreConfig,
+    PosixStoreConfig,
+)
 from ucm.store.errors import InvalidParamError
 from ucm.store.memory import as_addr_matrix, pack_tensors
 
@@ -38,6 +52,53 @@ def _open_native(name: str, cfg: Any) -> _native.NativeStore:
     raise InvalidParamError(f"store_pipeline: stage {name!r} has no native implementation")
 
 
+def _open_cache(cfg: CacheStoreConfig, backend: Any) -> _native.NativeStore:
+    device_memory = {None: "auto", True: "true", False: "false"}[cfg.device_memory]
+    return _native.NativeStore.cache(
+        backend,
+        block_size=cfg.block_size,
+        shard_size=cfg.shard_size,
+        tensor_size_list=list(cfg.tensor_size_list or []),
+        capacity_bytes=cfg.capacity_bytes,
+        eviction_policy=cfg.eviction_policy,
+        fill_policy=cfg.fill_policy,
+        write_back_policy=cfg.write_back_policy,
+        write_back_batch_size=cfg.write_back_batch_size,
+        write_back_interval_ms=round(cfg.write_back_interval * 1000),
+        write_back_max_backoff_ms=max(1, round(cfg.write_back_max_backoff * 1000)),
+        device_id=cfg.device_id,
+        device_memory=device_memory,
+        cache_stream_number=cfg.cache_stream_number,
+        copy_threads=cfg.cache_copy_threads,
+        backend_threads=cfg.cache_backend_threads,
+        share_buffer_enable=cfg.share_buffer_enable,
+        unique_id=cfg.unique_id,
+        timeout_ms=cfg.timeout_ms,
+    )
+
+
+def _check_geometry(stages: list[tuple[str, Any]]) -> None:
+    """Every stage that knows the block geometry must agree on it."""
+    seen: tuple[str, tuple[Any, ...]] | None = None
+    for name, cfg in stages:
+        if not hasattr(cfg, "block_size"):
+            continue
+        geo = (cfg.block_size, cfg.shard_size)
+        if seen is None:
+            seen = (name, geo)
+        elif seen[1] != geo:
+            raise InvalidParamError(
+                f"stage {name}: block_size/shard_size {geo} differ from stage {seen[0]}'s {seen[1]}"
+            )
+
+
+def _close_quietly(native: _native.NativeStore) -> None:
+    try:
+        native.close()
+    except Exception:  # at interpreter exit, nobody can act on it
+        pass
+
+
 class UcmPipelineStore(UcmKVStoreBase):
     """The built-in stores, configured by one flat mapping (see
     :class:`~ucm.store.config.PipelineStoreConfig`)."""
@@ -47,15 +108,33 @@ class UcmPipelineStore(UcmKVStoreBase):
             config = PipelineStoreConfig.from_dict(config)
         super().__init__(dict(stages=config.stages, store_pipeline=config.store_pipeline))
         self.pipeline_config = config
-        if len(config.stages) != 1:
-            raise InvalidParamError(
-                f"store_pipeline {config.store_pipeline!r}: composing stages is not "
-                "available in this build; use a single stage ('Posix' or 'Empty')"
-            )
-        name, cfg = config.stages[0]
-        self.stage_name = name
-        self._sizes: list[int] = list(getattr(cfg, "tensor_size_list", None) or [])
-        self._native = _open_native(name, cfg)
+        stages = config.stages
+        _check_geometry(stages)
+        bottom_name, bottom_cfg = stages[-1]
+        if bottom_name in ("Posix", "Empty"):
+            native: Any = _open_native(bottom_name, bottom_cfg)
+        else:
+            if len(stages) == 1:
+                raise InvalidParamError(
+                    f"store_pipeline {config.store_pipeline!r}: a registered store alone is not "
+                    f"a pipeline; create it with UcmConnectorFactory.create_connector"
+                    f"({bottom_name!r}, config), or put it under a cache ('Cache|{bottom_name}')"
+                )
+            from ucm.store.factory import UcmConnectorFactory
+
+            native = UcmConnectorFactory.create_connector(bottom_name, bottom_cfg)
+        try:
+            for _name, cfg in reversed(stages[:-1]):
+                native = _open_cache(cfg, native)
+        except BaseException:
+            native.close()
+            raise
+        self.stage_name = stages[0][0]
+        self._sizes: list[int] = list(getattr(stages[0][1], "tensor_size_list", None) or [])
+        self._native = native
+        # Close (and so flush, and leave a shared segment) at interpreter exit
+        # even if nobody calls close().
+        self._finalizer = weakref.finalize(self, _close_quietly, native)
 
     # -- lookups ---------------------------------------------------------
     def lookup(self, block_ids: Sequence[bytes]) -> list[bool]:
@@ -125,14 +204,40 @@ class UcmPipelineStore(UcmKVStoreBase):
 
     # -- management ------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counters of the store (blocks, bytes, loads, dumps, evictions...)."""
+        """Counters of the Posix stage (blocks, bytes, loads, dumps, evictions...)."""
         return dict(self._native.stats())
+
+    def get_stats(self) -> dict[str, float]:
+        """Figures of the whole pipeline: for a ``Cache`` stage ``l1_hit_rate``,
+        ``l2_hit_rate``, ``avg_load_latency_ms``, ``p99_load_latency_ms``,
+        ``eviction_count``, ``bytes_loaded_l1``/``_l2``, ``bytes_dumped_l1``/``_l2``,
+        ``dirty_blocks``, ``write_back_failures`` and more; the Posix stage's
+        counters under ``posix.``."""
+        out = dict(self._native.get_stats())
+        for k, v in self._native.stats().items():
+            if isinstance(v, int | float):
+                out[f"posix.{k}"] = float(v)
+        return out
+
+    def flush(self) -> None:
+        """Writes every dirty cached block to the backend; raises
+        :class:`~ucm.store.errors.TaskFailedError` naming how many could not be
+        written (they stay dirty in the cache and are retried)."""
+        self._native.flush()
+
+    @property
+    def shm_path(self) -> str | None:
+        """The shared-memory segment of a ``share_buffer_enable`` cache."""
+        return self._native.shm_path
 
     def block_path(self, block_id: bytes) -> str | None:
         """Where a block's file lives (Posix), for tools and tests."""
         return self._native.block_path(block_id)
 
     def close(self) -> None:
+        """Flushes (a cache), then stops every stage. Raises if the flush
+        failed; the stores are closed either way."""
+        self._finalizer.detach()
         self._native.close()
 
 

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 mod bench;
 mod errors;
 mod hashing;
+mod py_stage;
 mod store;
 
 #[pymodule]

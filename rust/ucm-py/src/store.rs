@@ -5,22 +5,52 @@
 //! Python wrapper (`ucm.store`) keeps tensors alive until `wait`.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use ucm_core::io::IoEngineKind;
-use ucm_core::store::{EmptyStore, PosixConfig, PosixStore, Store};
+use ucm_core::store::cache::{CacheConfig, DeviceMemory, FillPolicy, PolicyKind, WriteBackPolicy};
+use ucm_core::store::{CacheStore, EmptyStore, PosixConfig, PosixStore, Store};
 use ucm_core::{BlockId, MemSeg, ShardIo};
 
 use crate::errors::{invalid, IntoPyResult};
+use crate::py_stage::PyStage;
 
-/// A store implemented in Rust (`Posix`, `Empty`).
+/// A store implemented in Rust (`Posix`, `Empty`, a `Cache` over another
+/// store), the top of a pipeline.
 #[pyclass(name = "NativeStore", module = "ucm._native", frozen)]
 pub struct PyStore {
     store: Arc<dyn Store>,
+    /// The Posix store at the bottom of the pipeline, if any (its counters).
     posix: Option<Arc<PosixStore>>,
+    /// The Cache store at the top, if any.
+    cache: Option<Arc<CacheStore>>,
+    /// Set when this store became another store's backend: the owner
+    /// closes it, so dropping this handle must not.
+    consumed: AtomicBool,
+}
+
+impl PyStore {
+    fn plain(store: Arc<dyn Store>, posix: Option<Arc<PosixStore>>) -> Self {
+        PyStore {
+            store,
+            posix,
+            cache: None,
+            consumed: AtomicBool::new(false),
+        }
+    }
+
+    fn usable(&self) -> PyResult<()> {
+        if self.consumed.load(Ordering::Acquire) {
+            return Err(invalid(
+                "this store is the backend of a cache; use the cache instead",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Parses block ids: a sequence of 16-byte `bytes`, or a C-contiguous
@@ -221,20 +251,91 @@ impl PyStore {
             spare_files,
         };
         let store = Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?);
-        Ok(PyStore {
-            store: store.clone(),
-            posix: Some(store),
-        })
+        Ok(PyStore::plain(store.clone(), Some(store)))
     }
 
     /// Opens an Empty store.
     #[staticmethod]
     #[pyo3(signature = (timeout_ms=30000))]
     fn empty(timeout_ms: u64) -> Self {
-        PyStore {
-            store: Arc::new(EmptyStore::new(timeout_ms)),
-            posix: None,
+        PyStore::plain(Arc::new(EmptyStore::new(timeout_ms)), None)
+    }
+
+    /// Opens a Cache store over `backend`: another `NativeStore` (which the
+    /// cache then owns: it is closed with the cache) or any Python store
+    /// object (`UcmKVStoreBase`), called back with the GIL for misses and
+    /// write-backs. `tensor_size_list` is the row layout the Python store
+    /// expects in `load_data` / `dump_data`.
+    #[staticmethod]
+    #[pyo3(signature = (backend, block_size, shard_size, tensor_size_list, capacity_bytes,
+        eviction_policy="s3fifo", fill_policy="read_allocate", write_back_policy="async",
+        write_back_batch_size=32, write_back_interval_ms=1000, write_back_max_backoff_ms=10000,
+        device_id=0, device_memory="auto", cache_stream_number=4, copy_threads=4,
+        backend_threads=8, share_buffer_enable=false, unique_id=String::new(), timeout_ms=30000))]
+    #[allow(clippy::too_many_arguments)] // mirrors the config keys one to one
+    fn cache(
+        py: Python<'_>,
+        backend: &Bound<'_, PyAny>,
+        block_size: usize,
+        shard_size: usize,
+        tensor_size_list: Vec<usize>,
+        capacity_bytes: u64,
+        eviction_policy: &str,
+        fill_policy: &str,
+        write_back_policy: &str,
+        write_back_batch_size: usize,
+        write_back_interval_ms: u64,
+        write_back_max_backoff_ms: u64,
+        device_id: i64,
+        device_memory: &str,
+        cache_stream_number: usize,
+        copy_threads: usize,
+        backend_threads: usize,
+        share_buffer_enable: bool,
+        unique_id: String,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let cfg = CacheConfig {
+            block_size,
+            shard_size,
+            capacity_bytes,
+            eviction_policy: eviction_policy.parse::<PolicyKind>().py_err()?,
+            fill_policy: fill_policy.parse::<FillPolicy>().py_err()?,
+            write_back_policy: write_back_policy.parse::<WriteBackPolicy>().py_err()?,
+            write_back_batch_size,
+            write_back_interval_ms,
+            write_back_max_backoff_ms,
+            device_id,
+            device_memory: device_memory.parse::<DeviceMemory>().py_err()?,
+            cache_stream_number,
+            copy_threads,
+            backend_threads,
+            share_buffer_enable,
+            unique_id,
+            timeout_ms,
+        };
+        let (below, posix): (Arc<dyn Store>, Option<Arc<PosixStore>>) =
+            match backend.cast::<PyStore>() {
+                Ok(native) => {
+                    let native = native.get();
+                    native.usable()?;
+                    (native.store.clone(), native.posix.clone())
+                }
+                Err(_) => (
+                    Arc::new(PyStage::new(py, backend.clone().unbind(), tensor_size_list)),
+                    None,
+                ),
+            };
+        let cache = Arc::new(py.detach(|| CacheStore::open(cfg, below)).py_err()?);
+        if let Ok(native) = backend.cast::<PyStore>() {
+            native.get().consumed.store(true, Ordering::Release);
         }
+        Ok(PyStore {
+            store: cache.clone(),
+            posix,
+            cache: Some(cache),
+            consumed: AtomicBool::new(false),
+        })
     }
 
     /// The store's name.
@@ -345,10 +446,57 @@ impl PyStore {
         self.store.check(task_id).py_err()
     }
 
-    /// Finishes in-flight work and stops the store's threads.
+    /// Finishes in-flight work and stops the store's threads (a cache
+    /// flushes first, then closes its backend).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        if self.consumed.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let store = self.store.clone();
         py.detach(move || store.close()).py_err()
+    }
+
+    /// Writes every dirty block to the backend; raises if some could not
+    /// be written (they stay dirty and are retried).
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        self.usable()?;
+        let store = self.store.clone();
+        py.detach(move || store.flush()).py_err()
+    }
+
+    /// The store's figures (hit rates, latencies, bytes per tier, ...) as
+    /// a dict of floats; a cache's backend figures are prefixed `backend.`.
+    fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let store = self.store.clone();
+        let stats = py.detach(move || store.stats());
+        let d = PyDict::new(py);
+        for (k, v) in stats {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Path of the shared-memory segment of a cache in shared mode.
+    #[getter]
+    fn shm_path(&self) -> Option<String> {
+        self.cache
+            .as_ref()
+            .and_then(|c| c.shm_path().map(str::to_string))
+    }
+
+    /// Number of slots of a cache (None for other stores).
+    #[getter]
+    fn cache_slots(&self) -> Option<usize> {
+        self.cache.as_ref().map(|c| c.slots())
+    }
+
+    /// Test hook: takes a cache's table lock and never returns. Only for
+    /// tests that kill the process to check recovery.
+    fn _debug_hold_lock_forever(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(c) = self.cache.clone() else {
+            return Err(invalid("not a cache store"));
+        };
+        py.detach(move || c.debug_hold_lock_forever())
     }
 
     /// Counters of a Posix store (empty dict for other stores).
@@ -401,8 +549,11 @@ impl PyStore {
 
 impl Drop for PyStore {
     fn drop(&mut self) {
+        if self.consumed.load(Ordering::Acquire) {
+            return;
+        }
         // Joining the store's threads must not happen with the GIL held:
-        // they may be logging through Python.
+        // they may be logging through Python (or be a Python store).
         let store = self.store.clone();
         Python::attach(|py| {
             py.detach(move || {

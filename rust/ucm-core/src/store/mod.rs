@@ -2,18 +2,30 @@
 //!
 //! Every store implements the one [`Store`] trait: the v1 API of the original
 //! UCM (lookup, prefix lookup, prefetch, asynchronous load/dump returning a
-//! task handle, wait, check). Built-in stores: [`posix::PosixStore`] (one file
-//! per block on local or mounted file systems) and [`empty::EmptyStore`].
+//! task handle, wait, check), plus `flush` and `stats` for tiered stores.
+//! Built-in stores: [`posix::PosixStore`] (one file per block on local or
+//! mounted file systems), [`empty::EmptyStore`], and [`cache::CacheStore`], a
+//! host-memory tier composed over any other store; [`pipeline`] builds the
+//! stacks named by `store_pipeline` (`"Cache|Posix"`, ...).
 
 use crate::block::{BlockId, ShardIo};
 use crate::error::Result;
 use crate::task::TaskId;
 
+pub mod cache;
 pub mod empty;
+pub mod pipeline;
 pub mod posix;
 
+pub use cache::{CacheConfig, CacheStore};
 pub use empty::EmptyStore;
+pub use pipeline::{PipelineSpec, StageKind};
 pub use posix::{PosixConfig, PosixStore};
+
+/// Named figures of a store (counters, rates, latencies), as a sorted map so
+/// every store can report what it has without a shared schema; bindings turn
+/// it into a dict. Counters are exact up to 2^53.
+pub type StoreStats = std::collections::BTreeMap<String, f64>;
 
 /// The store interface. All methods are thread-safe.
 pub trait Store: Send + Sync {
@@ -47,4 +59,16 @@ pub trait Store: Send + Sync {
     /// Finishes in-flight work and stops the store's threads. Later calls
     /// fail with `Closed`. Idempotent.
     fn close(&self) -> Result<()>;
+
+    /// Forces every block accepted by `dump` down to persistent storage and
+    /// reports the ones that could not be written. Stores that write
+    /// through (every `dump` is durable once waited) have nothing to do.
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The store's figures (see [`StoreStats`]); empty by default.
+    fn stats(&self) -> StoreStats {
+        StoreStats::new()
+    }
 }

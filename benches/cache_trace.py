@@ -1,0 +1,118 @@
+"""``Cache|Posix`` on a Zipf-like block trace larger than the cache: hit rates
+per tier and throughput, one row per eviction policy.
+
+Every block of the trace is first written to a Posix directory (so the
+backend holds them all); then, for each policy, a fresh ``Cache|Posix``
+pipeline over that directory replays the same trace of block loads, and
+``get_stats()`` gives the tier hit rates. Not run in CI::
+
+    .venv/bin/python benches/cache_trace.py [--blocks 800] [--cache-frac 0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ucm.store import UcmConnectorFactory
+from ucm.store.config import EVICTION_POLICIES
+
+SHARD = 64 * 1024
+SHARDS = 4
+
+
+def bid(n: int) -> bytes:
+    return n.to_bytes(8, "little") + b"\x42" * 8
+
+
+def zipf_trace(blocks: int, length: int, alpha: float, seed: int) -> np.ndarray:
+    ranks = np.arange(1, blocks + 1, dtype=np.float64)
+    p = ranks**-alpha
+    p /= p.sum()
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(blocks)  # popular blocks are not neighbours
+    return perm[rng.choice(blocks, size=length, p=p)]
+
+
+def config(root: Path, **kw: object) -> dict[str, object]:
+    cfg: dict[str, object] = {
+        "store_pipeline": "Posix",
+        "storage_backends": str(root),
+        "block_size": SHARD * SHARDS,
+        "shard_size": SHARD,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=800, help="distinct blocks in the trace")
+    ap.add_argument("--length", type=int, default=4000, help="block loads replayed")
+    ap.add_argument("--cache-frac", type=float, default=0.1, help="cache size / distinct blocks")
+    ap.add_argument("--alpha", type=float, default=0.9, help="Zipf exponent")
+    ap.add_argument("--batch", type=int, default=8, help="blocks per load call")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        root = Path(tmp)
+        data = [np.full(SHARD, i % 251, dtype=np.uint8) for i in range(SHARDS)]
+        writer = UcmConnectorFactory.create_connector("UcmPipelineStore", config(root))
+        for start in range(0, args.blocks, 64):
+            ids = [bid(n) for n in range(start, min(args.blocks, start + 64))]
+            writer.wait(
+                writer.dump(
+                    [b for b in ids for _ in range(SHARDS)],
+                    [s for _ in ids for s in range(SHARDS)],
+                    [[d] for _ in ids for d in data],
+                )
+            )
+        writer.close()
+
+        trace = zipf_trace(args.blocks, args.length, args.alpha, seed=7)
+        cache_gb = args.blocks * args.cache_frac * SHARDS * SHARD / (1 << 30)
+        out = [np.empty(SHARD, dtype=np.uint8) for _ in range(SHARDS * args.batch)]
+        print(
+            f"Cache|Posix, {args.blocks} blocks of {SHARDS}x{SHARD >> 10} KiB, cache "
+            f"{args.cache_frac:.0%} of them, Zipf a={args.alpha}, {args.length} loads\n"
+        )
+        print(
+            f"{'policy':<8} {'l1 hit':>7} {'l2 hit':>7} {'blocks/s':>9} {'MB/s':>8} {'p99 ms':>7}"
+        )
+        for policy in EVICTION_POLICIES:
+            store = UcmConnectorFactory.create_connector(
+                "UcmPipelineStore",
+                config(
+                    root,
+                    store_pipeline="Cache|Posix",
+                    cache_buffer_capacity_gb=cache_gb,
+                    eviction_policy=policy,
+                ),
+            )
+            start = time.perf_counter()
+            for i in range(0, len(trace), args.batch):
+                ids = [bid(int(n)) for n in trace[i : i + args.batch]]
+                k = len(ids) * SHARDS
+                store.wait(
+                    store.load(
+                        [b for b in ids for _ in range(SHARDS)],
+                        [s for _ in ids for s in range(SHARDS)],
+                        [[o] for o in out[:k]],
+                    )
+                )
+            secs = time.perf_counter() - start
+            s = store.get_stats()
+            store.close()
+            print(
+                f"{policy:<8} {s['l1_hit_rate']:>7.3f} {s['l2_hit_rate']:>7.3f} "
+                f"{len(trace) / secs:>9.0f} {len(trace) * SHARDS * SHARD / secs / 1e6:>8.0f} "
+                f"{s['p99_load_latency_ms']:>7.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+//! SIEVE (Zhang et al., NSDI'24): a FIFO list with one visited bit per slot
+//! and a hand that sweeps from the tail toward the head. A visited slot
+//! survives the sweep (its bit is cleared); the first unvisited, evictable
+//! slot is the victim. Hits only set a bit, so they never reorder the list.
+
+use super::list::{List, NIL};
+
+// Layout: prev[n] next[n] visited[n] head tail len hand
+fn list(n: u32) -> List {
+    let n = n as usize;
+    List {
+        prev: 0,
+        next: n,
+        head: 3 * n,
+        tail: 3 * n + 1,
+        len: 3 * n + 2,
+    }
+}
+
+fn hand(n: u32) -> usize {
+    3 * n as usize + 3
+}
+
+fn visited(n: u32, s: u32) -> usize {
+    2 * n as usize + s as usize
+}
+
+pub fn words(n: usize) -> usize {
+    3 * n + 4
+}
+
+pub fn init(w: &mut [u32], n: u32) {
+    list(n).clear(w);
+    w[hand(n)] = NIL;
+}
+
+pub fn insert(w: &mut [u32], n: u32, slot: u32) {
+    w[visited(n, slot)] = 0;
+    list(n).push_front(w, slot);
+}
+
+pub fn access(w: &mut [u32], n: u32, slot: u32) {
+    w[visited(n, slot)] = 1;
+}
+
+pub fn remove(w: &mut [u32], n: u32, slot: u32) {
+    let l = list(n);
+    if w[hand(n)] == slot {
+        w[hand(n)] = l.toward_head(w, slot);
+    }
+    l.unlink(w, slot);
+}
+
+pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+    let l = list(n);
+    let len = l.len(w);
+    if len == 0 {
+        return None;
+    }
+    let mut cur = match w[hand(n)] {
+        NIL => l.tail(w)?,
+        h => h,
+    };
+    // Two full sweeps: the first may only clear visited bits.
+    for _ in 0..2 * len as usize + 1 {
+        let next = match l.toward_head(w, cur) {
+            NIL => l.tail(w).unwrap_or(NIL),
+            p => p,
+        };
+        if w[visited(n, cur)] != 0 {
+            w[visited(n, cur)] = 0;
+        } else if can_evict(cur) {
+            w[hand(n)] = if next == cur { NIL } else { next };
+            l.unlink(w, cur);
+            return Some(cur);
+        }
+        if next == NIL {
+            return None;
+        }
+        cur = next;
+    }
+    w[hand(n)] = cur;
+    None
+}

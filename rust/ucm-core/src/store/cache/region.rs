@@ -1,0 +1,221 @@
+//! The memory a cache lives in: one anonymous mapping (private mode) or one
+//! POSIX shared-memory object mapped by every participant (shared mode).
+//!
+//! Both are plain `mmap`s, so the rest of the cache sees one byte range
+//! either way. Anonymous mappings use `MAP_NORESERVE`: the data area is
+//! committed page by page as slots are first written, so a large
+//! `cache_buffer_capacity_gb` costs nothing until it is used.
+
+use std::ffi::CString;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+
+use crate::error::{Result, UcmError};
+
+/// One `mmap`ed byte range, unmapped on drop.
+pub struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; concurrent access
+// to its contents is coordinated by the cache table's lock and slot states.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only hands out the base address.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Private, zero-filled, lazily committed memory.
+    pub fn anon(len: usize) -> Result<Self> {
+        // SAFETY: a fresh anonymous mapping touches no existing memory.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        Self::from_raw(p, len, "mmap anonymous")
+    }
+
+    /// `len` bytes of the shared-memory object `fd`, shared with every
+    /// process that maps it.
+    pub fn shared(fd: RawFd, len: usize) -> Result<Self> {
+        // SAFETY: maps a file descriptor we own; no existing memory touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        Self::from_raw(p, len, "mmap shared")
+    }
+
+    fn from_raw(p: *mut libc::c_void, len: usize, op: &'static str) -> Result<Self> {
+        if p == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENOMEM) {
+                return Err(UcmError::OutOfMemory(format!("{op} of {len} bytes: {e}")));
+            }
+            return Err(UcmError::os(op, "", e));
+        }
+        NonNull::new(p.cast::<u8>())
+            .map(|base| Mapping { base, len })
+            .ok_or_else(|| UcmError::OutOfMemory(format!("{op} returned null")))
+    }
+
+    /// Start of the mapping (page-aligned).
+    pub fn base(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty mapping (never built).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the range this value mapped; nothing can
+        // use it afterwards (the owner is being dropped).
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A named POSIX shared-memory object (`/dev/shm/<name>`).
+pub struct ShmObject {
+    /// The name passed to `shm_open` (with its leading `/`).
+    pub name: CString,
+    /// Where it shows up in the file system, for messages.
+    pub path: String,
+}
+
+impl ShmObject {
+    /// The object for `unique_id`; only `[A-Za-z0-9_.-]` is kept so an id
+    /// can never name a path outside `/dev/shm`.
+    pub fn for_id(unique_id: &str) -> Result<Self> {
+        let clean: String = unique_id
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "_.-".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        if clean.is_empty() {
+            return Err(UcmError::invalid(
+                "unique_id: must be non-empty when share_buffer_enable is set",
+            ));
+        }
+        let base = format!("ucm_cache_{clean}");
+        let name = CString::new(format!("/{base}"))
+            .map_err(|_| UcmError::invalid("unique_id: contains a NUL byte"))?;
+        Ok(ShmObject {
+            name,
+            path: format!("/dev/shm/{base}"),
+        })
+    }
+
+    /// Creates the object exclusively with `len` bytes; `None` if it
+    /// already exists.
+    pub fn create(&self, len: usize) -> Result<Option<OwnedFd>> {
+        // SAFETY: `name` is a valid C string for the call.
+        let fd = unsafe {
+            libc::shm_open(
+                self.name.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EEXIST) {
+                return Ok(None);
+            }
+            return Err(UcmError::os("shm_open", &self.path, e));
+        }
+        // SAFETY: `fd` was just returned by shm_open and is owned by no one else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain syscall on our descriptor.
+        if unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&fd), len as libc::off_t) } != 0
+        {
+            let e = std::io::Error::last_os_error();
+            self.unlink();
+            return Err(UcmError::os("ftruncate", &self.path, e));
+        }
+        Ok(Some(fd))
+    }
+
+    /// Opens the existing object; `None` if it does not exist (any more).
+    pub fn open(&self) -> Result<Option<OwnedFd>> {
+        // SAFETY: `name` is a valid C string for the call.
+        let fd = unsafe { libc::shm_open(self.name.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENOENT) {
+                return Ok(None);
+            }
+            return Err(UcmError::os("shm_open", &self.path, e));
+        }
+        // SAFETY: as in `create`.
+        Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Removes the name (mappings stay valid until unmapped).
+    pub fn unlink(&self) {
+        // SAFETY: `name` is a valid C string for the call.
+        unsafe { libc::shm_unlink(self.name.as_ptr()) };
+    }
+}
+
+/// Size of the object behind `fd`.
+pub fn fd_size(fd: RawFd) -> Result<usize> {
+    // SAFETY: `st` is plain data fully written by fstat on success.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid descriptor and out-pointer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(UcmError::os("fstat", "", std::io::Error::last_os_error()));
+    }
+    Ok(st.st_size as usize)
+}
+
+/// Start time of process `pid` (clock ticks since boot, field 22 of
+/// `/proc/<pid>/stat`), which tells a live process from a recycled pid.
+pub fn process_start(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses: the
+    // fields we want follow its last ')'.
+    // A zombie (killed, not yet reaped by its parent) holds nothing.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    if matches!(fields.next()?, "Z" | "X" | "x") {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
+}
+
+/// True when `pid` is alive and is the process that started at `start`.
+pub fn process_alive(pid: i32, start: u64) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    match process_start(pid) {
+        Some(s) => s == start,
+        None => false,
+    }
+}

@@ -1,0 +1,154 @@
+//! Counters of the cache tier and a lock-free load-latency histogram.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Sub-buckets per power of two: the histogram's relative error is 1/8.
+const SUB: usize = 8;
+const BUCKETS: usize = 64 * SUB;
+
+/// Log-linear histogram of durations in microseconds.
+pub struct Histogram {
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+    n: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            counts: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+            n: AtomicU64::new(0),
+        }
+    }
+}
+
+fn bucket(us: u64) -> usize {
+    if us < SUB as u64 {
+        return us as usize;
+    }
+    let e = 63 - us.leading_zeros() as usize; // >= 3
+    let sub = ((us >> (e - 3)) & (SUB as u64 - 1)) as usize;
+    ((e - 2) * SUB + sub).min(BUCKETS - 1)
+}
+
+/// Upper bound (µs) of bucket `b`.
+fn upper(b: usize) -> u64 {
+    if b < SUB {
+        return b as u64;
+    }
+    let e = b / SUB + 2;
+    let sub = (b % SUB) as u64;
+    ((SUB as u64 + sub + 1) << (e - 3)) - 1
+}
+
+impl Histogram {
+    /// Adds one observation.
+    pub fn record(&self, d: Duration) {
+        let us = d.as_micros().min(u128::from(u64::MAX)) as u64;
+        self.counts[bucket(us)].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        self.n.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        self.n.load(Ordering::Relaxed)
+    }
+
+    /// Mean in milliseconds (0 when empty).
+    pub fn mean_ms(&self) -> f64 {
+        let n = self.count();
+        if n == 0 {
+            return 0.0;
+        }
+        self.sum_us.load(Ordering::Relaxed) as f64 / n as f64 / 1000.0
+    }
+
+    /// The `q` quantile in milliseconds (upper bound of its bucket).
+    pub fn quantile_ms(&self, q: f64) -> f64 {
+        let n = self.count();
+        if n == 0 {
+            return 0.0;
+        }
+        let target = ((n as f64) * q).ceil().max(1.0) as u64;
+        let mut acc = 0;
+        for (b, c) in self.counts.iter().enumerate() {
+            acc += c.load(Ordering::Relaxed);
+            if acc >= target {
+                return upper(b) as f64 / 1000.0;
+            }
+        }
+        upper(BUCKETS - 1) as f64 / 1000.0
+    }
+}
+
+/// Every counter of one cache store.
+#[derive(Default)]
+pub struct Counters {
+    pub load_shards: AtomicU64,
+    pub l1_hits: AtomicU64,
+    pub l2_hits: AtomicU64,
+    pub l2_misses: AtomicU64,
+    pub bytes_loaded_l1: AtomicU64,
+    pub bytes_loaded_l2: AtomicU64,
+    pub dump_shards: AtomicU64,
+    pub dump_dedup: AtomicU64,
+    pub bytes_dumped_l1: AtomicU64,
+    pub bytes_dumped_l2: AtomicU64,
+    pub evictions: AtomicU64,
+    pub fills: AtomicU64,
+    pub fill_waits: AtomicU64,
+    pub bypass_loads: AtomicU64,
+    pub bypass_dumps: AtomicU64,
+    pub prefetch_shards: AtomicU64,
+    pub write_back_blocks: AtomicU64,
+    pub write_back_failures: AtomicU64,
+    pub lookups: AtomicU64,
+    pub lookup_l1_hits: AtomicU64,
+    pub lookup_l2_hits: AtomicU64,
+    pub load_latency: Histogram,
+}
+
+/// `counter += n`.
+pub fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Current value.
+pub fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_monotonic_and_bound_their_values() {
+        let mut last = 0;
+        for us in [0u64, 1, 7, 8, 9, 15, 16, 100, 1000, 12345, 1 << 30] {
+            let b = bucket(us);
+            assert!(b >= last);
+            last = b;
+            assert!(upper(b) >= us, "{us} -> {b} -> {}", upper(b));
+            assert!(
+                upper(b) as f64 <= us as f64 * 1.13 + 1.0,
+                "{us} {}",
+                upper(b)
+            );
+        }
+    }
+
+    #[test]
+    fn quantiles() {
+        let h = Histogram::default();
+        for i in 1..=100u64 {
+            h.record(Duration::from_millis(i));
+        }
+        assert!((h.mean_ms() - 50.5).abs() < 0.01);
+        let p99 = h.quantile_ms(0.99);
+        assert!((99.0..=112.0).contains(&p99), "{p99}");
+    }
+}

@@ -1,0 +1,169 @@
+//! Bookkeeping of dirty blocks: what this process still has to write to the
+//! backend, when, and what went wrong.
+//!
+//! The slot table knows *that* a slot is dirty (so it is never evicted);
+//! this map knows *what to do about it*: per block, the dirty shards and
+//! their slots, the retry schedule, the last error. One thread (in
+//! [`super::CacheStore`]) drains it in batches.
+//!
+//! * `async`: an entry is due once it is `write_back_interval` old, or as
+//!   soon as `write_back_batch_size` entries are waiting (whichever first).
+//! * `lazy`: an entry is due only when eviction wanted its slot (the
+//!   allocator reports dirty candidates) or on `flush`.
+//! * `sync` dumps write their blocks themselves; only failed ones land here
+//!   for retries.
+//!
+//! A failed write keeps the entry (the slots stay dirty, so nothing is
+//! lost), counts a failure and schedules a retry with exponential backoff
+//! (50 ms doubling up to `write_back_max_backoff`). `flush` makes every
+//! entry present at its start due immediately, waits until each has been
+//! written or has failed once more, and reports the failures.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::block::BlockId;
+use crate::error::UcmError;
+
+/// First retry delay after a failed write.
+pub const BASE_BACKOFF: Duration = Duration::from_millis(50);
+
+/// One dirty block.
+pub struct Entry {
+    /// Dirty shards: shard index -> slot.
+    pub shards: BTreeMap<u32, u32>,
+    /// When it became dirty.
+    pub since: Instant,
+    /// Lazy entries: eviction asked for it.
+    pub wanted: bool,
+    /// Not before (retry backoff).
+    pub next_try: Instant,
+    /// Failed attempts so far.
+    pub attempts: u32,
+    /// Last failure.
+    pub last_error: Option<UcmError>,
+    /// A write of it is running.
+    pub inflight: bool,
+    /// Number of the last flush whose pass attempted it.
+    pub tried_in_flush: u64,
+}
+
+/// The map, the flush generation and the stop flag.
+#[derive(Default)]
+pub struct State {
+    /// Dirty blocks.
+    pub dirty: HashMap<BlockId, Entry>,
+    /// Incremented by each flush.
+    pub flush_gen: u64,
+    /// Asks the thread to exit once idle.
+    pub stop: bool,
+}
+
+/// Shared between dumps, eviction, flush and the write-back thread.
+#[derive(Default)]
+pub struct WriteBack {
+    /// Everything above.
+    pub state: Mutex<State>,
+    /// Wakes the write-back thread.
+    pub wake: Condvar,
+    /// Wakes flushes waiting for a pass to finish.
+    pub progress: Condvar,
+}
+
+/// Retry delay after `attempts` failures.
+pub fn backoff(attempts: u32, max: Duration) -> Duration {
+    let shift = attempts.saturating_sub(1).min(20);
+    (BASE_BACKOFF * (1u32 << shift)).min(max.max(BASE_BACKOFF))
+}
+
+impl WriteBack {
+    /// Records dirty shards (block, shard, slot). `wanted` marks lazy
+    /// entries due at once (an adopted orphan, a failed sync write).
+    pub fn add(&self, items: &[(BlockId, u32, u32)], wanted: bool) {
+        if items.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut st = self.state.lock();
+        for &(block, shard, slot) in items {
+            let e = st.dirty.entry(block).or_insert_with(|| Entry {
+                shards: BTreeMap::new(),
+                since: now,
+                wanted,
+                next_try: now,
+                attempts: 0,
+                last_error: None,
+                inflight: false,
+                tried_in_flush: 0,
+            });
+            e.shards.insert(shard, slot);
+            e.wanted |= wanted;
+        }
+        drop(st);
+        self.wake.notify_all();
+    }
+
+    /// Records a failed attempt of blocks written outside the thread (a
+    /// sync dump), so they are retried.
+    pub fn add_failed(&self, items: &[(BlockId, u32, u32)], err: &UcmError, max: Duration) {
+        self.add(items, true);
+        let mut st = self.state.lock();
+        let now = Instant::now();
+        for (block, _, _) in items {
+            if let Some(e) = st.dirty.get_mut(block) {
+                e.attempts += 1;
+                e.next_try = now + backoff(e.attempts, max);
+                e.last_error = Some(err.clone());
+            }
+        }
+    }
+
+    /// Lazy write-back: eviction would like these slots' blocks written.
+    pub fn want(&self, blocks: &[BlockId]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let mut st = self.state.lock();
+        let mut any = false;
+        for b in blocks {
+            if let Some(e) = st.dirty.get_mut(b) {
+                any |= !e.wanted;
+                e.wanted = true;
+            }
+        }
+        drop(st);
+        if any {
+            self.wake.notify_all();
+        }
+    }
+
+    /// Number of dirty blocks.
+    pub fn dirty_blocks(&self) -> usize {
+        self.state.lock().dirty.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let max = Duration::from_secs(1);
+        assert_eq!(backoff(1, max), Duration::from_millis(50));
+        assert_eq!(backoff(2, max), Duration::from_millis(100));
+        assert_eq!(backoff(30, max), max);
+    }
+
+    #[test]
+    fn add_merges_shards_of_a_block() {
+        let wb = WriteBack::default();
+        let b = BlockId([1; 16]);
+        wb.add(&[(b, 0, 5), (b, 1, 6)], false);
+        wb.add(&[(b, 2, 9)], false);
+        assert_eq!(wb.dirty_blocks(), 1);
+        assert_eq!(wb.state.lock().dirty[&b].shards.len(), 3);
+    }
+}

@@ -1,0 +1,687 @@
+//! Cache store behaviour: round trips over Empty/Posix/an in-memory test
+//! backend, fill-once, eviction under pressure, write-back policies, a
+//! failing backend, prefetch, statistics, restart, and shared-memory mode
+//! (including a participant killed while holding the lock).
+
+// Test helpers outside #[test] fns: a panic here is a test failure.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use ucm_core::store::cache::{CacheConfig, FillPolicy, PolicyKind, WriteBackPolicy};
+use ucm_core::store::{CacheStore, EmptyStore, PosixConfig, PosixStore, Store};
+use ucm_core::task::TaskRegistry;
+use ucm_core::{BlockId, MemSeg, ShardIo, UcmError};
+
+const SHARD: usize = 16 * 1024;
+const SHARDS: usize = 4;
+
+fn id(n: u32) -> BlockId {
+    let mut b = [0u8; 16];
+    b[..4].copy_from_slice(&n.to_le_bytes());
+    b[8..12].copy_from_slice(&n.wrapping_mul(2_654_435_761).to_le_bytes());
+    BlockId(b)
+}
+
+fn content(block: u32, shard: usize) -> Vec<u8> {
+    (0..SHARD)
+        .map(|i| (i as u32 ^ block.wrapping_mul(131) ^ (shard as u32 * 7)) as u8)
+        .collect()
+}
+
+fn cfg(slots: usize) -> CacheConfig {
+    CacheConfig {
+        block_size: SHARD * SHARDS,
+        shard_size: SHARD,
+        capacity_bytes: (slots * SHARD) as u64,
+        write_back_interval_ms: 20,
+        write_back_max_backoff_ms: 100,
+        timeout_ms: 20_000,
+        copy_threads: 2,
+        backend_threads: 4,
+        ..Default::default()
+    }
+}
+
+/// One block's worth of caller memory, split in two segments per shard.
+struct Blk {
+    data: Vec<Vec<u8>>,
+}
+
+impl Blk {
+    fn filled(n: u32) -> Self {
+        Blk {
+            data: (0..SHARDS).map(|s| content(n, s)).collect(),
+        }
+    }
+    fn empty() -> Self {
+        Blk {
+            data: (0..SHARDS).map(|_| vec![0u8; SHARD]).collect(),
+        }
+    }
+    fn shards(&mut self, n: u32) -> Vec<ShardIo> {
+        self.data
+            .iter_mut()
+            .enumerate()
+            .map(|(s, d)| ShardIo {
+                block: id(n),
+                index: s,
+                segs: vec![
+                    MemSeg {
+                        addr: d.as_mut_ptr() as usize,
+                        len: SHARD / 2,
+                    },
+                    MemSeg {
+                        addr: d.as_mut_ptr() as usize + SHARD / 2,
+                        len: SHARD / 2,
+                    },
+                ],
+            })
+            .collect()
+    }
+    fn check(&self, n: u32) {
+        for (s, d) in self.data.iter().enumerate() {
+            assert!(d == &content(n, s), "block {n} shard {s} differs");
+        }
+    }
+}
+
+fn dump(store: &dyn Store, n: u32) -> Result<(), UcmError> {
+    let mut b = Blk::filled(n);
+    let t = store.dump(b.shards(n), 0)?;
+    store.wait(t)
+}
+
+fn load(store: &dyn Store, n: u32) -> Result<(), UcmError> {
+    let mut b = Blk::empty();
+    let t = store.load(b.shards(n))?;
+    store.wait(t)?;
+    b.check(n);
+    Ok(())
+}
+
+/// An in-memory backend with counters, injected failures and latency.
+#[derive(Default)]
+struct MemBackend {
+    data: Mutex<HashMap<(BlockId, usize), Vec<u8>>>,
+    tasks: TaskRegistryHolder,
+    loads: AtomicU64,
+    dumps: AtomicU64,
+    fail_dumps: AtomicBool,
+    delay_ms: AtomicU64,
+}
+
+struct TaskRegistryHolder(TaskRegistry);
+
+impl Default for TaskRegistryHolder {
+    fn default() -> Self {
+        TaskRegistryHolder(TaskRegistry::new(20_000))
+    }
+}
+
+impl MemBackend {
+    fn has(&self, n: u32) -> bool {
+        let d = self.data.lock();
+        (0..SHARDS).all(|s| d.contains_key(&(id(n), s)))
+    }
+}
+
+impl Store for MemBackend {
+    fn name(&self) -> &'static str {
+        "Mem"
+    }
+    fn lookup(&self, ids: &[BlockId]) -> ucm_core::Result<Vec<bool>> {
+        let d = self.data.lock();
+        Ok(ids
+            .iter()
+            .map(|b| (0..SHARDS).all(|s| d.contains_key(&(*b, s))))
+            .collect())
+    }
+    fn lookup_on_prefix(&self, ids: &[BlockId]) -> ucm_core::Result<isize> {
+        let hits = self.lookup(ids)?;
+        Ok(hits.iter().position(|h| !h).unwrap_or(hits.len()) as isize - 1)
+    }
+    fn prefetch(&self, _ids: &[BlockId]) -> ucm_core::Result<()> {
+        Ok(())
+    }
+    fn load(&self, shards: Vec<ShardIo>) -> ucm_core::Result<u64> {
+        self.loads.fetch_add(shards.len() as u64, Ordering::SeqCst);
+        let task = self.tasks.0.create("load", 1);
+        std::thread::sleep(Duration::from_millis(self.delay_ms.load(Ordering::SeqCst)));
+        let d = self.data.lock();
+        let mut res = Ok(());
+        for s in &shards {
+            match d.get(&(s.block, s.index)) {
+                Some(v) => {
+                    let mut off = 0;
+                    for g in &s.segs {
+                        // SAFETY (test): segments are valid per the Store contract.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                v[off..].as_ptr(),
+                                g.addr as *mut u8,
+                                g.len,
+                            )
+                        };
+                        off += g.len;
+                    }
+                }
+                None => res = Err(UcmError::NotFound(format!("{} {}", s.block, s.index))),
+            }
+        }
+        task.complete_unit(res);
+        Ok(task.id())
+    }
+    fn dump(&self, shards: Vec<ShardIo>, _p: u64) -> ucm_core::Result<u64> {
+        let task = self.tasks.0.create("dump", 1);
+        if self.fail_dumps.load(Ordering::SeqCst) {
+            task.complete_unit(Err(UcmError::NoSpace("injected".into())));
+            return Ok(task.id());
+        }
+        self.dumps.fetch_add(shards.len() as u64, Ordering::SeqCst);
+        let mut d = self.data.lock();
+        for s in &shards {
+            let mut v = Vec::with_capacity(SHARD);
+            for g in &s.segs {
+                // SAFETY (test): segments are valid per the Store contract.
+                v.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(g.addr as *const u8, g.len)
+                });
+            }
+            d.insert((s.block, s.index), v);
+        }
+        task.complete_unit(Ok(()));
+        Ok(task.id())
+    }
+    fn wait(&self, t: u64) -> ucm_core::Result<()> {
+        self.tasks.0.wait(t)
+    }
+    fn check(&self, t: u64) -> ucm_core::Result<bool> {
+        self.tasks.0.check(t)
+    }
+    fn close(&self) -> ucm_core::Result<()> {
+        Ok(())
+    }
+}
+
+/// Lets a test keep a handle on the backend it gave the cache.
+struct Shared(Arc<MemBackend>);
+
+impl Store for Shared {
+    fn name(&self) -> &'static str {
+        "Mem"
+    }
+    fn lookup(&self, ids: &[BlockId]) -> ucm_core::Result<Vec<bool>> {
+        self.0.lookup(ids)
+    }
+    fn lookup_on_prefix(&self, ids: &[BlockId]) -> ucm_core::Result<isize> {
+        self.0.lookup_on_prefix(ids)
+    }
+    fn prefetch(&self, ids: &[BlockId]) -> ucm_core::Result<()> {
+        self.0.prefetch(ids)
+    }
+    fn load(&self, s: Vec<ShardIo>) -> ucm_core::Result<u64> {
+        self.0.load(s)
+    }
+    fn dump(&self, s: Vec<ShardIo>, p: u64) -> ucm_core::Result<u64> {
+        self.0.dump(s, p)
+    }
+    fn wait(&self, t: u64) -> ucm_core::Result<()> {
+        self.0.wait(t)
+    }
+    fn check(&self, t: u64) -> ucm_core::Result<bool> {
+        self.0.check(t)
+    }
+    fn close(&self) -> ucm_core::Result<()> {
+        Ok(())
+    }
+}
+
+fn mem_cache(c: CacheConfig) -> (CacheStore, Arc<MemBackend>) {
+    let be = Arc::new(MemBackend::default());
+    let cache = CacheStore::open(c, Arc::new(Shared(be.clone()))).unwrap();
+    (cache, be)
+}
+
+fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn cache_over_empty_is_a_memory_store() {
+    let cache = CacheStore::open(cfg(64), Arc::new(EmptyStore::new(1000))).unwrap();
+    assert_eq!(cache.lookup(&[id(1)]).unwrap(), vec![false]);
+    dump(&cache, 1).unwrap();
+    dump(&cache, 2).unwrap();
+    assert_eq!(
+        cache.lookup(&[id(1), id(3), id(2)]).unwrap(),
+        vec![true, false, true]
+    );
+    assert_eq!(cache.lookup_on_prefix(&[id(1), id(2), id(3)]).unwrap(), 1);
+    load(&cache, 1).unwrap();
+    load(&cache, 2).unwrap();
+    let e = load(&cache, 3).unwrap_err();
+    assert_eq!(e.code(), -50005, "{e}");
+    cache.flush().unwrap();
+    cache.close().unwrap();
+    assert_eq!(cache.lookup(&[id(1)]).unwrap_err().code(), -50012);
+}
+
+#[test]
+fn stats_follow_a_scripted_sequence() {
+    let (cache, _be) = mem_cache(cfg(64));
+    dump(&cache, 1).unwrap(); // 4 shards into the cache
+    dump(&cache, 1).unwrap(); // all deduplicated
+    load(&cache, 1).unwrap(); // 4 l1 hits
+    assert!(load(&cache, 7).is_err()); // 4 misses, backend misses too
+    cache.flush().unwrap();
+    load(&cache, 1).unwrap(); // 4 more l1 hits
+    let s = cache.stats();
+    assert_eq!(s["load_shards"], 12.0);
+    assert_eq!(s["l1_hits"], 8.0);
+    assert_eq!(s["l2_hits"], 0.0);
+    assert_eq!(s["l2_misses"], 4.0);
+    assert!((s["l1_hit_rate"] - 8.0 / 12.0).abs() < 1e-9);
+    assert_eq!(s["l2_hit_rate"], 0.0);
+    assert_eq!(s["dump_shards"], 8.0);
+    assert_eq!(s["dump_dedup"], 4.0);
+    assert_eq!(s["bytes_dumped_l1"], (4 * SHARD) as f64);
+    assert_eq!(s["bytes_dumped_l2"], (4 * SHARD) as f64);
+    assert_eq!(s["bytes_loaded_l1"], (8 * SHARD) as f64);
+    assert_eq!(s["write_back_blocks"], 1.0);
+    assert_eq!(s["dirty_blocks"], 0.0);
+    assert_eq!(s["eviction_count"], 0.0);
+    assert_eq!(s["load_tasks"], 3.0);
+    assert!(s["p99_load_latency_ms"] >= s["avg_load_latency_ms"] * 0.5);
+    // The failed fill left no slot behind: 4 for block 1 only.
+    assert_eq!(s["slots_used"], 4.0);
+}
+
+#[test]
+fn misses_fill_from_the_backend_and_then_hit() {
+    let (cache, be) = mem_cache(cfg(64));
+    {
+        let mut b = Blk::filled(5);
+        be.wait(be.dump(b.shards(5), 0).unwrap()).unwrap();
+    }
+    assert_eq!(cache.lookup(&[id(5)]).unwrap(), vec![true]);
+    assert!(!cache.cached(&id(5)).unwrap());
+    load(&cache, 5).unwrap();
+    assert!(cache.cached(&id(5)).unwrap());
+    load(&cache, 5).unwrap();
+    assert_eq!(be.loads.load(Ordering::SeqCst), SHARDS as u64);
+    let s = cache.stats();
+    assert_eq!(s["l1_hit_rate"], 0.5);
+    assert_eq!(s["l2_hit_rate"], 1.0);
+    assert_eq!(s["bytes_loaded_l2"], (SHARDS * SHARD) as f64);
+}
+
+#[test]
+fn two_loads_of_a_missing_block_fill_it_once() {
+    let (cache, be) = mem_cache(cfg(64));
+    {
+        let mut b = Blk::filled(9);
+        be.wait(be.dump(b.shards(9), 0).unwrap()).unwrap();
+    }
+    be.delay_ms.store(150, Ordering::SeqCst);
+    let cache = Arc::new(cache);
+    let threads: Vec<_> = (0..6)
+        .map(|_| {
+            let c = cache.clone();
+            std::thread::spawn(move || load(&*c, 9).unwrap())
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(
+        be.loads.load(Ordering::SeqCst),
+        SHARDS as u64,
+        "filled more than once"
+    );
+    assert!(cache.stats()["fill_waits"] > 0.0 || cache.stats()["l1_hits"] > 0.0);
+}
+
+#[test]
+fn write_back_policies() {
+    // sync: the backend has the block when wait returns.
+    let (cache, be) = mem_cache(CacheConfig {
+        write_back_policy: WriteBackPolicy::Sync,
+        ..cfg(64)
+    });
+    dump(&cache, 1).unwrap();
+    assert!(be.has(1));
+    assert_eq!(cache.stats()["dirty_blocks"], 0.0);
+    drop(cache);
+
+    // async: queued, written in the background (interval 20 ms).
+    let (cache, be) = mem_cache(CacheConfig {
+        write_back_policy: WriteBackPolicy::Async,
+        write_back_interval_ms: 60_000,
+        write_back_batch_size: 2,
+        ..cfg(64)
+    });
+    dump(&cache, 1).unwrap();
+    // One dirty block is below the batch size and far from the interval.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!be.has(1));
+    dump(&cache, 2).unwrap(); // the batch is full now
+    until("async batch written", || be.has(1) && be.has(2));
+    drop(cache);
+
+    // lazy: nothing is written until eviction wants the slot or flush.
+    let (cache, be) = mem_cache(CacheConfig {
+        write_back_policy: WriteBackPolicy::Lazy,
+        eviction_policy: PolicyKind::Lru,
+        ..cfg(3 * SHARDS)
+    });
+    for n in 0..3 {
+        dump(&cache, n).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(60));
+    assert_eq!(be.dumps.load(Ordering::SeqCst), 0);
+    // A fourth block finds every slot dirty: it goes straight through to the
+    // backend, and the eviction attempt asks for the oldest to be written.
+    dump(&cache, 3).unwrap();
+    assert!(be.has(3));
+    until("lazy victim written", || be.has(0));
+    cache.flush().unwrap();
+    for n in 0..4 {
+        assert!(be.has(n), "block {n}");
+    }
+}
+
+#[test]
+fn eviction_under_pressure_never_drops_dirty_data() {
+    let (cache, be) = mem_cache(CacheConfig {
+        write_back_policy: WriteBackPolicy::Async,
+        ..cfg(4 * SHARDS)
+    });
+    be.fail_dumps.store(true, Ordering::SeqCst);
+    let mut accepted = Vec::new();
+    for n in 0..12 {
+        // Once the cache is full of dirty blocks, dumps go through to the
+        // failing backend and say so; none of them is silently dropped.
+        if dump(&cache, n).is_ok() {
+            accepted.push(n);
+        }
+    }
+    assert_eq!(accepted.len(), 4, "{accepted:?}");
+    until("failures counted", || {
+        cache.stats()["write_back_failures"] > 0.0
+    });
+    let e = cache.flush().unwrap_err();
+    assert!(e.to_string().contains("stay dirty"), "{e}");
+    assert_eq!(cache.stats()["dirty_blocks"], 4.0);
+    for &n in &accepted {
+        load(&cache, n).unwrap(); // still served from the cache
+    }
+    be.fail_dumps.store(false, Ordering::SeqCst);
+    cache.flush().unwrap();
+    for &n in &accepted {
+        assert!(be.has(n), "block {n} lost");
+    }
+    assert_eq!(cache.stats()["dirty_blocks"], 0.0);
+    // Clean now: new dumps evict them.
+    for n in 100..104 {
+        dump(&cache, n).unwrap();
+    }
+    assert!(cache.stats()["eviction_count"] >= 4.0);
+}
+
+#[test]
+fn sync_write_failure_is_reported_and_retried() {
+    let (cache, be) = mem_cache(CacheConfig {
+        write_back_policy: WriteBackPolicy::Sync,
+        ..cfg(64)
+    });
+    be.fail_dumps.store(true, Ordering::SeqCst);
+    assert_eq!(dump(&cache, 1).unwrap_err().code(), -50009);
+    // Kept in the cache, dirty, and retried in the background.
+    assert!(cache.cached(&id(1)).unwrap());
+    assert_eq!(cache.stats()["dirty_blocks"], 1.0);
+    be.fail_dumps.store(false, Ordering::SeqCst);
+    until("retry succeeded", || be.has(1));
+    until("clean", || cache.stats()["dirty_blocks"] == 0.0);
+}
+
+#[test]
+fn fill_policies() {
+    let (cache, be) = mem_cache(CacheConfig {
+        fill_policy: FillPolicy::NoAllocate,
+        write_back_policy: WriteBackPolicy::Sync,
+        ..cfg(64)
+    });
+    dump(&cache, 1).unwrap();
+    assert!(be.has(1));
+    assert!(!cache.cached(&id(1)).unwrap(), "no_allocate keeps nothing");
+    load(&cache, 1).unwrap();
+    assert!(!cache.cached(&id(1)).unwrap());
+    drop(cache);
+
+    let (cache, be) = mem_cache(CacheConfig {
+        fill_policy: FillPolicy::WriteAllocate,
+        ..cfg(64)
+    });
+    dump(&cache, 1).unwrap();
+    assert!(cache.cached(&id(1)).unwrap(), "write_allocate keeps dumps");
+    let mut b = Blk::filled(2);
+    be.wait(be.dump(b.shards(2), 0).unwrap()).unwrap();
+    load(&cache, 2).unwrap();
+    assert!(
+        !cache.cached(&id(2)).unwrap(),
+        "write_allocate does not fill loads"
+    );
+}
+
+#[test]
+fn prefetch_fills_in_the_background() {
+    let (cache, be) = mem_cache(cfg(64));
+    for n in 0..3 {
+        let mut b = Blk::filled(n);
+        be.wait(be.dump(b.shards(n), 0).unwrap()).unwrap();
+    }
+    cache.prefetch(&[id(0), id(1), id(2), id(42)]).unwrap();
+    until("prefetched", || {
+        (0..3).all(|n| cache.cached(&id(n)).unwrap())
+    });
+    let before = be.loads.load(Ordering::SeqCst);
+    for n in 0..3 {
+        load(&cache, n).unwrap();
+    }
+    assert_eq!(
+        be.loads.load(Ordering::SeqCst),
+        before,
+        "loads hit the cache"
+    );
+    assert_eq!(cache.stats()["prefetch_shards"], (3 * SHARDS) as f64);
+}
+
+#[test]
+fn many_threads_overlapping_ids_every_policy() {
+    for policy in PolicyKind::ALL {
+        let (cache, _be) = mem_cache(CacheConfig {
+            eviction_policy: policy,
+            write_back_batch_size: 1,
+            ..cfg(6 * SHARDS)
+        });
+        let cache = Arc::new(cache);
+        let threads: Vec<_> = (0..6u32)
+            .map(|t| {
+                let c = cache.clone();
+                std::thread::spawn(move || {
+                    let mut x = t.wrapping_mul(2_654_435_761) | 1;
+                    for _ in 0..60 {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        let n = x % 16;
+                        if x % 3 == 0 || !c.lookup(&[id(n)]).unwrap()[0] {
+                            dump(&*c, n).unwrap();
+                        }
+                        load(&*c, n).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        cache.flush().unwrap();
+        // Everything is clean now: new blocks must evict.
+        for n in 1000..1008 {
+            dump(&*cache, n).unwrap();
+            load(&*cache, n).unwrap();
+        }
+        let s = cache.stats();
+        assert!(s["eviction_count"] > 0.0, "{policy}: {s:?}");
+        assert!(s["slots_used"] <= (6 * SHARDS) as f64);
+    }
+}
+
+#[test]
+fn restart_after_flush_finds_everything_in_posix() {
+    let dir = tempfile::tempdir().unwrap();
+    let pcfg = PosixConfig {
+        storage_backends: vec![dir.path().to_path_buf()],
+        block_size: SHARD * SHARDS,
+        shard_size: SHARD,
+        tensor_size_list: vec![SHARD / 2, SHARD / 2],
+        timeout_ms: 10_000,
+        ..Default::default()
+    };
+    {
+        let posix = Arc::new(PosixStore::open(pcfg.clone()).unwrap());
+        let cache = CacheStore::open(
+            CacheConfig {
+                write_back_interval_ms: 60_000,
+                write_back_policy: WriteBackPolicy::Lazy,
+                ..cfg(64)
+            },
+            posix,
+        )
+        .unwrap();
+        for n in 0..8 {
+            dump(&cache, n).unwrap();
+        }
+        cache.flush().unwrap();
+        cache.close().unwrap();
+    }
+    let posix = PosixStore::open(pcfg).unwrap();
+    for n in 0..8 {
+        assert!(posix.lookup(&[id(n)]).unwrap()[0]);
+        load(&posix, n).unwrap();
+    }
+}
+
+// ------------------------------------------------------------ shared mode
+
+fn shm_cfg(uid: &str) -> CacheConfig {
+    CacheConfig {
+        share_buffer_enable: true,
+        unique_id: uid.into(),
+        ..cfg(32)
+    }
+}
+
+fn uid(tag: &str) -> String {
+    format!("rs-test-{tag}-{}", std::process::id())
+}
+
+#[test]
+fn shared_segment_is_seen_by_a_second_attacher_and_removed_by_the_last() {
+    let u = uid("two");
+    let a = CacheStore::open(shm_cfg(&u), Arc::new(EmptyStore::new(1000))).unwrap();
+    let path = a.shm_path().unwrap().to_string();
+    assert!(std::path::Path::new(&path).exists());
+    let b = CacheStore::open(shm_cfg(&u), Arc::new(EmptyStore::new(1000))).unwrap();
+    dump(&a, 1).unwrap();
+    assert!(b.cached(&id(1)).unwrap());
+    load(&b, 1).unwrap();
+    // A different layout is rejected while someone uses the segment.
+    let e = CacheStore::open(
+        CacheConfig {
+            capacity_bytes: (64 * SHARD) as u64,
+            ..shm_cfg(&u)
+        },
+        Arc::new(EmptyStore::new(1000)),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("another layout"), "{e}");
+    a.close().unwrap();
+    assert!(std::path::Path::new(&path).exists());
+    b.close().unwrap();
+    assert!(!std::path::Path::new(&path).exists(), "segment leaked");
+}
+
+/// Helper run in a child process: attaches, takes the table lock and
+/// hangs until killed.
+#[test]
+#[ignore = "helper for shared_mode_survives_a_participant_killed_holding_the_lock"]
+fn helper_hold_lock() {
+    let Ok(u) = std::env::var("UCM_CACHE_TEST_UID") else {
+        return;
+    };
+    let c = CacheStore::open(shm_cfg(&u), Arc::new(EmptyStore::new(1000))).unwrap();
+    dump(&c, 77).unwrap();
+    // Pin a slot through a load that never finishes being consumed, then
+    // hold the lock.
+    println!("LOCKED");
+    use std::io::Write;
+    std::io::stdout().flush().unwrap();
+    c.debug_hold_lock_forever();
+}
+
+#[test]
+fn shared_mode_survives_a_participant_killed_holding_the_lock() {
+    let u = uid("kill");
+    let a = CacheStore::open(shm_cfg(&u), Arc::new(EmptyStore::new(1000))).unwrap();
+    let path = a.shm_path().unwrap().to_string();
+    dump(&a, 1).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "helper_hold_lock",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("UCM_CACHE_TEST_UID", &u)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::BufRead;
+        let out = child.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(out).lines();
+        loop {
+            let l = lines.next().unwrap().unwrap();
+            if l.contains("LOCKED") {
+                break;
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The lock comes back (EOWNERDEAD), the table is rebuilt, and both our
+    // block and the dead child's are still there.
+    load(&a, 1).unwrap();
+    load(&a, 77).unwrap();
+    dump(&a, 2).unwrap();
+    load(&a, 2).unwrap();
+    a.close().unwrap();
+    assert!(!std::path::Path::new(&path).exists(), "segment leaked");
+}
