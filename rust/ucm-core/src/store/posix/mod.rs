@@ -166,7 +166,6 @@ impl PosixStore {
                 } else {
                     0
                 },
-                file_len,
             ),
             cfg,
         });

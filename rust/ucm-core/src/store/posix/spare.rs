@@ -1,14 +1,17 @@
-//! Pre-created, pre-allocated temporary files for dumps.
+//! Pre-created temporary files for dumps.
 //!
 //! Creating a file is the slowest step of a dump on some file systems: on
 //! the ext4 volumes of our test VMs a create takes 0.5–0.7 ms and does not
 //! scale with threads (about 1,400 creates/s), more than writing a 1 MiB
 //! shard; on NFS a create is a server round trip. A background thread keeps
-//! a few empty files per storage root, created and `fallocate`d to the block
-//! file size ahead of time, so a dump only opens one (microseconds), writes
-//! into already allocated space and renames it into place. Bursts of dumps
-//! up to the pool size run at write speed; beyond that, dumps create their
-//! own temporaries as before.
+//! a few empty files per storage root, created ahead of time, so a dump only
+//! opens one (microseconds), writes it and renames it into place. Bursts of
+//! dumps up to the pool size skip the create; beyond that, dumps create
+//! their own temporaries as before.
+//!
+//! Spares are left empty on purpose: preallocating them (`fallocate`) would
+//! save a little allocation work per write, but spares would then hold disk
+//! space that a nearly full disk needs for real blocks.
 //!
 //! Spares live in `<root>/.spare/` (the same file system as the block
 //! directories, so the publishing rename stays atomic), are named like other
@@ -36,16 +39,15 @@ struct Root {
 pub struct SparePool {
     roots: Vec<Root>,
     target: usize,
-    file_len: u64,
     seq: AtomicU64,
     stop: AtomicBool,
     wake: (Mutex<bool>, Condvar),
 }
 
 impl SparePool {
-    /// A pool keeping `target` spares of `file_len` bytes under each root
-    /// (`target == 0` disables it).
-    pub fn new(roots: &[PathBuf], target: usize, file_len: u64) -> Self {
+    /// A pool keeping `target` empty spares under each root (`target == 0`
+    /// disables it).
+    pub fn new(roots: &[PathBuf], target: usize) -> Self {
         SparePool {
             roots: roots
                 .iter()
@@ -55,7 +57,6 @@ impl SparePool {
                 })
                 .collect(),
             target,
-            file_len,
             seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(false), Condvar::new()),
@@ -109,7 +110,7 @@ impl SparePool {
                 let (lock, cv) = &self.wake;
                 let mut woken = lock.lock();
                 if !*woken && !self.stop.load(Ordering::Acquire) {
-                    // Also retry periodically after errors (disk full).
+                    // Also retry periodically after errors (no inodes left).
                     cv.wait_for(&mut woken, Duration::from_secs(1));
                 }
                 *woken = false;
@@ -120,30 +121,13 @@ impl SparePool {
     fn create(&self, dir: &Path) -> Option<PathBuf> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("spare{TMP_MARKER}{}.{seq}", std::process::id()));
-        let file = {
-            use std::os::unix::fs::OpenOptionsExt;
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-                .ok()?
-        };
-        // Allocating now keeps the dump's writes out of the allocator; a
-        // file system without fallocate just gets an empty spare.
-        // SAFETY: the fd is open for the duration of the call.
-        let rc = unsafe {
-            libc::fallocate(
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                0,
-                0,
-                self.file_len as libc::off_t,
-            )
-        };
-        if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSPC) {
-            let _ = std::fs::remove_file(&path);
-            return None;
-        }
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .ok()?;
         Some(path)
     }
 
@@ -173,7 +157,7 @@ mod tests {
     #[test]
     fn fills_hands_out_and_discards() {
         let d = tempfile::tempdir().unwrap();
-        let pool = Arc::new(SparePool::new(&[d.path().to_path_buf()], 3, 8192));
+        let pool = Arc::new(SparePool::new(&[d.path().to_path_buf()], 3));
         let filler = {
             let p = pool.clone();
             std::thread::spawn(move || p.run())
@@ -185,7 +169,7 @@ mod tests {
         assert_eq!(pool.ready(), 3);
         let f = pool.take(0).unwrap();
         assert!(f.starts_with(d.path().join(SPARE_DIR)));
-        assert_eq!(std::fs::metadata(&f).unwrap().len(), 8192);
+        assert_eq!(std::fs::metadata(&f).unwrap().len(), 0);
         assert!(pool.take(1).is_none());
         pool.stop();
         filler.join().unwrap();
