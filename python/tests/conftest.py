@@ -12,25 +12,14 @@ from typing import Any
 
 import pytest
 
+# Triton kernels run on the CPU through the interpreter unless a GPU run
+# asks otherwise; it must be set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from store_helpers import base_config
+
 from ucm.store import UcmConnectorFactory, UcmKVStoreBase
-
-SHARD = 64 * 1024
-SHARDS = 4
-
-
-def base_config(root: Path, **overrides: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "store_pipeline": "Posix",
-        "storage_backends": str(root),
-        "block_size": SHARD * SHARDS,
-        "shard_size": SHARD,
-        "tensor_size_list": [SHARD // 2, SHARD // 2],
-        "timeout_ms": 20000,
-    }
-    cfg.update(overrides)
-    return cfg
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARD, base_config
+from store_helpers import SHARD, base_config
 
 from ucm.store import InvalidParamError, UcmConnectorFactory, UcmKVStoreBase
 
@@ -56,7 +56,7 @@ LOGGING_SCRIPT = textwrap.dedent(
     import logging, sys
     sys.path.insert(0, {tests!r})
     from pathlib import Path
-    from conftest import base_config
+    from store_helpers import base_config
     from ucm.store import UcmConnectorFactory
     print("level", logging.getLevelName(logging.getLogger("ucm").level), flush=True)
     s = UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(Path({root!r})))

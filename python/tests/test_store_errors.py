@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARD, SHARDS, base_config
+from store_helpers import SHARD, SHARDS, base_config
 
 from ucm.shared.config import ConfigError
 from ucm.store import (
@@ -138,9 +138,10 @@ def test_full_disk_fails_the_dump_and_keeps_stored_blocks(small_tmpfs) -> None:
     assert kept, "nothing fit before the disk filled"
     for bid, data in kept.items():
         assert same(get(store, bid), data)
+    store.close()
+    # Neither failed dumps nor spare files outlive the store.
     leftovers = [p for p in root.rglob("*") if ".tmp." in p.name]
     assert leftovers == []
-    store.close()
 
 
 def test_config_errors_name_key_and_source(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHARD, SHARDS, base_config
+from store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import CorruptBlockError, UcmConnectorFactory
 
@@ -76,7 +76,7 @@ WRITER = textwrap.dedent(
     import sys, itertools
     sys.path.insert(0, {tests!r})
     from test_store_stress import dump_block
-    from conftest import base_config
+    from store_helpers import base_config
     from pathlib import Path
     from ucm.store import UcmConnectorFactory
     store = UcmConnectorFactory.create_connector(
