@@ -5,7 +5,9 @@
 //! measures the store's dump and load GB/s and, on the same directory in the
 //! same run, plain sequential O_DIRECT pwrite/pread of the same number of
 //! bytes in the same I/O size at the same queue depth (`io_threads`). Prints
-//! the ratio store/baseline at the end.
+//! the ratio store/baseline at the end: the median over pairs of one store
+//! run followed by one baseline run, so slow drifts of a shared machine
+//! affect both sides of each pair alike.
 //!
 //! Run: `cargo bench -p ucm-core --bench posix_throughput`
 //! (set `UCM_BENCH_DIR` to measure another file system; default: a temporary
@@ -31,6 +33,8 @@ struct Row {
     load: f64,
     base_write: f64,
     base_read: f64,
+    dump_ratio: f64,
+    load_ratio: f64,
 }
 
 static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
@@ -114,9 +118,12 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
                 let t = store.dump(work, 0).unwrap();
                 store.wait(t).unwrap();
                 let d = t0.elapsed();
-                dumps.push(gbps(TOTAL, d));
                 total += d;
                 remove_round(&store, shard, round);
+                // A baseline run right after each store run: the pairs see
+                // the same machine state, so their ratio is robust to drift.
+                let base = base(dir.path(), IoOp::Write, shard);
+                dumps.push((gbps(TOTAL, d), base));
             }
             total
         })
@@ -133,8 +140,9 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
                 let t = store.load(shards(&dst, shard, tensors, round)).unwrap();
                 store.wait(t).unwrap();
                 let d = t0.elapsed();
-                loads.push(gbps(TOTAL, d));
                 total += d;
+                let base = base(dir.path(), IoOp::Read, shard);
+                loads.push((gbps(TOTAL, d), base));
             }
             total
         })
@@ -146,22 +154,15 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
         "{case}: loaded bytes differ"
     );
     drop(store);
-    let base_write = median(
-        (0..3)
-            .map(|_| base(dir.path(), IoOp::Write, shard))
-            .collect(),
-    );
-    let base_read = median(
-        (0..3)
-            .map(|_| base(dir.path(), IoOp::Read, shard))
-            .collect(),
-    );
+    let ratio = |v: &[(f64, f64)]| median(v.iter().map(|(s, b)| s / b).collect());
     ROWS.lock().unwrap().push(Row {
         case,
-        dump: median(dumps),
-        load: median(loads),
-        base_write,
-        base_read,
+        dump: median(dumps.iter().map(|p| p.0).collect()),
+        load: median(loads.iter().map(|p| p.0).collect()),
+        base_write: median(dumps.iter().map(|p| p.1).collect()),
+        base_read: median(loads.iter().map(|p| p.1).collect()),
+        dump_ratio: ratio(&dumps),
+        load_ratio: ratio(&loads),
     });
 }
 
@@ -229,10 +230,10 @@ fn main() {
             r.case,
             r.dump,
             r.base_write,
-            100.0 * r.dump / r.base_write,
+            100.0 * r.dump_ratio,
             r.load,
             r.base_read,
-            100.0 * r.load / r.base_read
+            100.0 * r.load_ratio
         );
     }
 }
