@@ -2,16 +2,17 @@
 //!
 //! Layout: `<root>/<2 hex>/<32 hex>` (the id in lowercase hex, byte order),
 //! with the root picked by the id when there are several. A block being
-//! written lives next to its final name as `<32 hex>.tmp.<pid>.<seq>`, so a
-//! rename inside one directory publishes it atomically, two writers (threads
-//! or processes) never share a temporary file, and a restart can tell whose
+//! written lives next to its final name as
+//! `<32 hex>.tmp.<pid>.<instance>.<seq>`, so a rename inside one directory
+//! publishes it atomically, two writers (threads, stores of one process, or
+//! processes) never share a temporary file, and a restart can tell whose
 //! leftovers it is looking at.
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::block::{BlockId, MemSeg};
 use crate::error::{Result, UcmError};
@@ -69,15 +70,28 @@ pub fn direct_align(dir: &Path) -> DirectAlign {
     }
 }
 
+/// Distinguishes the stores of one process (several may share a
+/// directory, e.g. vLLM's scheduler and worker run in one process).
+static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+
 /// Naming of block files under the store's roots.
 pub struct Paths {
     roots: Vec<PathBuf>,
+    instance: u64,
 }
 
 impl Paths {
     /// `roots` must exist; call [`Paths::create_dirs`] to make subdirs.
     pub fn new(roots: Vec<PathBuf>) -> Self {
-        Paths { roots }
+        Paths {
+            roots,
+            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// `<pid>.<instance>`: the owner part of this store's temporary names.
+    pub fn owner(&self) -> String {
+        format!("{}.{}", std::process::id(), self.instance)
     }
 
     /// The store's root directories.
@@ -109,7 +123,7 @@ impl Paths {
     /// A fresh temporary path for writing `id`, unique to this process.
     pub fn temp(&self, id: &BlockId, seq: u64) -> PathBuf {
         let hex = id.hex();
-        let name = format!("{hex}{TMP_MARKER}{}.{seq}", std::process::id());
+        let name = format!("{hex}{TMP_MARKER}{}.{seq}", self.owner());
         self.root_of(id).join(&hex[..2]).join(name)
     }
 

@@ -113,6 +113,7 @@ impl PosixStore {
         cfg.validate()?;
         let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
         let paths = Paths::new(cfg.storage_backends.clone());
+        let owner = paths.owner();
         if cfg.transfers_enabled() {
             paths.create_dirs()?;
         }
@@ -166,6 +167,7 @@ impl PosixStore {
                 } else {
                     0
                 },
+                owner,
             ),
             cfg,
         });
@@ -500,12 +502,21 @@ impl Shared {
         }
     }
 
-    fn writer_for(&self, block: &BlockId) -> Arc<BlockWriter> {
+    /// The writer assembling `block`, or None when the block is already
+    /// published. Checked under the writers lock: a commit inserts into the
+    /// index before it forgets its writer, so a shard arriving around a
+    /// commit either joins that writer or sees the published block, and
+    /// never starts a second writer that would wait forever for shards
+    /// already written.
+    fn writer_for(&self, block: &BlockId) -> Option<Arc<BlockWriter>> {
         let mut writers = self.writers.lock();
         if let Some(w) = writers.get(block) {
             if w.failure().is_none() {
-                return w.clone();
+                return Some(w.clone());
             }
+        }
+        if self.index.contains(block) {
+            return None;
         }
         let tmp = self
             .spares
@@ -516,7 +527,17 @@ impl Shared {
             });
         let w = Arc::new(BlockWriter::new(*block, tmp, self.layout.shard_count));
         writers.insert(*block, w.clone());
-        w
+        Some(w)
+    }
+
+    /// Drops every block still being assembled (at close: their missing
+    /// shards can no longer arrive) and removes their temporary files.
+    fn abandon_writers(&self) {
+        let pending: Vec<_> = self.writers.lock().drain().map(|(_, w)| w).collect();
+        for w in pending {
+            w.abandon();
+            let _ = std::fs::remove_file(&w.tmp);
+        }
     }
 
     fn forget_writer(&self, w: &Arc<BlockWriter>) {
@@ -532,12 +553,11 @@ impl Shared {
         task: &Arc<Task>,
         shard: ShardIo,
     ) -> Result<()> {
-        if self.index.contains(&shard.block) {
-            // Content-addressed: an existing block already holds these bytes.
+        let Some(writer) = self.writer_for(&shard.block) else {
+            // Content-addressed: the published block already holds these bytes.
             task.complete_unit(Ok(()));
             return Ok(());
-        }
-        let writer = self.writer_for(&shard.block);
+        };
         match writer.claim(shard.index, task) {
             Claim::Write => {}
             Claim::AlreadyDone => {
@@ -794,6 +814,7 @@ impl Store for PosixStore {
             let _ = h.join();
         }
         self.shared.spares.discard();
+        self.shared.abandon_writers();
         drop(rt.engine);
         Ok(())
     }

@@ -94,9 +94,10 @@ fn remove_stale_temps(dir: &Path) -> usize {
         .count()
 }
 
-/// A temporary is stale when its writer process is gone (or is us: nothing
-/// of ours is in flight before the scan), or when it is old and its owner
-/// cannot be checked.
+/// A temporary is stale when its writer process is gone, or when it is old
+/// and its owner is alive or cannot be checked (another host on a shared
+/// file system, or a reused pid). Temporaries of this very process are left
+/// alone: another store of this process may be writing them.
 fn is_stale_temp(name: &str, meta: &std::fs::Metadata) -> bool {
     let owner = name
         .split(TMP_MARKER)
@@ -109,7 +110,7 @@ fn is_stale_temp(name: &str, meta: &std::fs::Metadata) -> bool {
         .and_then(|t| t.elapsed().ok())
         .is_some_and(|age| age >= FOREIGN_TMP_MAX_AGE);
     match owner {
-        Some(pid) if pid as u32 == std::process::id() => true,
+        Some(pid) if pid as u32 == std::process::id() => old,
         Some(pid) if pid > 0 => !process_alive(pid) || old,
         _ => old,
     }
@@ -145,15 +146,18 @@ mod tests {
             .dir(&a)
             .join(format!("{}{TMP_MARKER}4194303.1", a.hex()));
         let live = paths.dir(&a).join(format!("{}{TMP_MARKER}1.1", a.hex()));
+        // Another store of this very process may be writing this one.
+        let ours = paths.temp(&a, 1);
         std::fs::write(&dead, b"x").unwrap();
         std::fs::write(&live, b"x").unwrap();
+        std::fs::write(&ours, b"x").unwrap();
         let index = Index::default();
         let r = scan(&paths, &index, 100);
         assert_eq!(r.blocks, 1);
         assert_eq!(r.bytes, 100);
         assert_eq!(r.removed_temps, 1);
         assert!(index.contains(&a) && !index.contains(&b));
-        assert!(!dead.exists() && live.exists());
+        assert!(!dead.exists() && live.exists() && ours.exists());
         assert!(probe(&paths.block(&a), 100) && !probe(&paths.block(&b), 100));
     }
 }

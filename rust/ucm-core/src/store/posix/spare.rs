@@ -15,8 +15,8 @@
 //!
 //! Spares live in `<root>/.spare/` (the same file system as the block
 //! directories, so the publishing rename stays atomic), are named like other
-//! temporaries (`spare.tmp.<pid>.<seq>`), are removed on close, and leftovers
-//! of dead processes are removed by the next start's scan.
+//! temporaries (`spare.tmp.<pid>.<instance>.<seq>`), are removed on close, and
+//! leftovers of dead processes are removed by the next start's scan.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -39,6 +39,7 @@ struct Root {
 pub struct SparePool {
     roots: Vec<Root>,
     target: usize,
+    owner: String,
     seq: AtomicU64,
     stop: AtomicBool,
     wake: (Mutex<bool>, Condvar),
@@ -46,8 +47,8 @@ pub struct SparePool {
 
 impl SparePool {
     /// A pool keeping `target` empty spares under each root (`target == 0`
-    /// disables it).
-    pub fn new(roots: &[PathBuf], target: usize) -> Self {
+    /// disables it); `owner` is the store's `<pid>.<instance>`.
+    pub fn new(roots: &[PathBuf], target: usize, owner: String) -> Self {
         SparePool {
             roots: roots
                 .iter()
@@ -57,6 +58,7 @@ impl SparePool {
                 })
                 .collect(),
             target,
+            owner,
             seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(false), Condvar::new()),
@@ -120,7 +122,7 @@ impl SparePool {
 
     fn create(&self, dir: &Path) -> Option<PathBuf> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("spare{TMP_MARKER}{}.{seq}", std::process::id()));
+        let path = dir.join(format!("spare{TMP_MARKER}{}.{seq}", self.owner));
         use std::os::unix::fs::OpenOptionsExt;
         std::fs::OpenOptions::new()
             .write(true)
@@ -157,7 +159,7 @@ mod tests {
     #[test]
     fn fills_hands_out_and_discards() {
         let d = tempfile::tempdir().unwrap();
-        let pool = Arc::new(SparePool::new(&[d.path().to_path_buf()], 3));
+        let pool = Arc::new(SparePool::new(&[d.path().to_path_buf()], 3, "1.1".into()));
         let filler = {
             let p = pool.clone();
             std::thread::spawn(move || p.run())
