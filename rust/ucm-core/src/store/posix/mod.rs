@@ -127,7 +127,7 @@ impl PosixStore {
             });
         let index = Arc::new(Index::default());
         let file_len = layout.file_len();
-        let report = scan::scan(&paths, &index, file_len);
+        let report = scan::scan(&paths, &index, file_len, cfg.transfers_enabled());
         log::info!(
             "posix store over {:?}: {} block(s), {} byte(s) found, {} stale temporary file(s) removed",
             cfg.storage_backends,
@@ -373,7 +373,6 @@ impl Shared {
                 return Err(e);
             }
         };
-        let size = self.layout.shard_size;
         let bounce_needed = open.direct && !self.align.fits(&shard.segs);
         let mut head = engine.bounce(if bounce_needed {
             HEADER_LEN + self.padded()
@@ -411,7 +410,7 @@ impl Shared {
             req,
             Box::new(move |res| {
                 let outcome =
-                    shared.finish_load(&shard, res, expected, &head[..], bounce_needed, size);
+                    shared.finish_load(&shard, res, expected, &head[..], bounce_needed, &task);
                 drop(open);
                 drop(pin);
                 drop(head);
@@ -435,8 +434,9 @@ impl Shared {
         expected: usize,
         head: &[u8],
         bounced: bool,
-        size: usize,
+        task: &Task,
     ) -> Result<()> {
+        let size = self.layout.shard_size;
         let path = || self.paths.block(&shard.block);
         let verdict = match res {
             Err(e) => Err(UcmError::os("read", path(), e)),
@@ -490,6 +490,9 @@ impl Shared {
                     }
                 }
                 if matches!(e, UcmError::Corrupt(_)) {
+                    // Fail the task first: once the file is gone, the task's
+                    // other shards would report "not found" instead.
+                    task.record_error(e.clone());
                     self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
                     // A corrupt file would fail every later load: drop it so
                     // the next dump of this block rewrites it.

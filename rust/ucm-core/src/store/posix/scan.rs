@@ -26,8 +26,9 @@ pub struct ScanReport {
 }
 
 /// Indexes every complete block file (size `file_len`) under `paths`,
-/// ordering recency by modification time, and removes stale temporaries.
-pub fn scan(paths: &Paths, index: &Index, file_len: u64) -> ScanReport {
+/// ordering recency by modification time, and (when `clean` is set: only
+/// stores that write, never a lookup-only one) removes stale temporaries.
+pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanReport {
     let mut report = ScanReport::default();
     let mut found: Vec<(SystemTime, BlockId, u64)> = Vec::new();
     for root in paths.roots() {
@@ -38,7 +39,9 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64) -> ScanReport {
             let name = sub.file_name();
             let name = name.to_string_lossy();
             if name == super::spare::SPARE_DIR {
-                report.removed_temps += remove_stale_temps(&sub.path());
+                if clean {
+                    report.removed_temps += remove_stale_temps(&sub.path());
+                }
                 continue;
             }
             if name.len() != 2 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -59,7 +62,10 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64) -> ScanReport {
                         report.ignored += 1;
                     }
                 } else if fname.contains(TMP_MARKER) {
-                    if is_stale_temp(&fname, &meta) && std::fs::remove_file(f.path()).is_ok() {
+                    if clean
+                        && is_stale_temp(&fname, &meta)
+                        && std::fs::remove_file(f.path()).is_ok()
+                    {
                         report.removed_temps += 1;
                     }
                 } else {
@@ -152,7 +158,11 @@ mod tests {
         std::fs::write(&live, b"x").unwrap();
         std::fs::write(&ours, b"x").unwrap();
         let index = Index::default();
-        let r = scan(&paths, &index, 100);
+        let r = scan(&paths, &index, 100, false);
+        assert_eq!(r.removed_temps, 0);
+        assert!(dead.exists());
+        let index = Index::default();
+        let r = scan(&paths, &index, 100, true);
         assert_eq!(r.blocks, 1);
         assert_eq!(r.bytes, 100);
         assert_eq!(r.removed_temps, 1);
