@@ -232,6 +232,11 @@ STAGE_CONFIGS: dict[str, type] = {
 """Built-in stage names and their config classes. Stages registered from
 Python take their keys as a plain dict."""
 
+# The shared remote tiers (S3 / Ds3fs, NFS): ucm.store.remote_config.
+from ucm.store.remote_config import REMOTE_STAGE_CONFIGS  # noqa: E402
+
+STAGE_CONFIGS.update(REMOTE_STAGE_CONFIGS)
+
 PIPELINE_KEYS = ("store_pipeline",)
 
 

@@ -30,6 +30,12 @@ from ucm.store.config import (
 )
 from ucm.store.errors import InvalidParamError
 from ucm.store.memory import as_addr_matrix, pack_tensors
+from ucm.store.remote_config import (
+    REMOTE_STAGE_CONFIGS,
+    NfsStoreConfig,
+    S3StoreConfig,
+    open_remote_store,
+)
 
 
 def _open_native(name: str, cfg: Any) -> _native.NativeStore:
@@ -49,6 +55,8 @@ def _open_native(name: str, cfg: Any) -> _native.NativeStore:
         )
     if isinstance(cfg, EmptyStoreConfig):
         return _native.NativeStore.empty(timeout_ms=cfg.timeout_ms)
+    if isinstance(cfg, S3StoreConfig | NfsStoreConfig):
+        return open_remote_store(cfg)
     raise InvalidParamError(f"store_pipeline: stage {name!r} has no native implementation")
 
 
@@ -111,7 +119,7 @@ class UcmPipelineStore(UcmKVStoreBase):
         stages = config.stages
         _check_geometry(stages)
         bottom_name, bottom_cfg = stages[-1]
-        if bottom_name in ("Posix", "Empty"):
+        if bottom_name in ("Posix", "Empty", *REMOTE_STAGE_CONFIGS):
             native: Any = _open_native(bottom_name, bottom_cfg)
         else:
             if len(stages) == 1:

@@ -10,6 +10,7 @@ mod bench;
 mod errors;
 mod hashing;
 mod py_stage;
+mod remote;
 mod store;
 
 #[pymodule]
@@ -23,5 +24,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     hashing::register(m)?;
     store::register(m)?;
+    remote::register(m)?;
     Ok(())
 }

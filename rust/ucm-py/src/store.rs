@@ -34,7 +34,7 @@ pub struct PyStore {
 }
 
 impl PyStore {
-    fn plain(store: Arc<dyn Store>, posix: Option<Arc<PosixStore>>) -> Self {
+    pub(crate) fn plain(store: Arc<dyn Store>, posix: Option<Arc<PosixStore>>) -> Self {
         PyStore {
             store,
             posix,

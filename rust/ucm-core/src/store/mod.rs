@@ -14,8 +14,10 @@ use crate::task::TaskId;
 
 pub mod cache;
 pub mod empty;
+pub mod nfs;
 pub mod pipeline;
 pub mod posix;
+pub mod s3;
 
 pub use cache::{CacheConfig, CacheStore};
 pub use empty::EmptyStore;

@@ -1,0 +1,246 @@
+"""The shared remote tiers on loopback, each beside a same-run baseline.
+
+Starts its own servers (``python/tests/servers.py``) and prints:
+
+* **S3** (``moto_server`` on 127.0.0.1): dump and load MB/s of whole blocks
+  through the Python API, beside boto3 ``put_object``/``get_object`` of the
+  same object bytes at the same concurrency; ``lookup_on_prefix`` latency
+  for 1,000 present ids (cold: HEAD requests; warm: the lookup cache) beside
+  boto3 ``head_object`` of the same keys; and the hit rates of ``Cache|S3``
+  on the Zipf trace of ``cache_trace.py``.
+* **NFS** (NFS-Ganesha in a private network namespace, the store's built-in
+  NFSv3 client): dump and load MB/s beside libnfs ``nfs-cp`` uploading and
+  downloading one file of the same total bytes, and lookup latency.
+
+Not run in CI (needs the servers of tools/apt-packages.txt and moto)::
+
+    .venv/bin/python benches/remote_bench.py [--blocks 64] [--shard-kib 256] [--only s3|nfs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python" / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from servers import MotoServer, NfsServer, find_binary
+
+from cache_trace import zipf_trace
+from ucm.store import UcmConnectorFactory, UcmKVStoreBase
+
+SHARDS = 4
+
+
+def bid(n: int) -> bytes:
+    return n.to_bytes(8, "little") + b"\x5e" * 8
+
+
+def open_store(cfg: dict[str, Any]) -> UcmKVStoreBase:
+    return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+
+
+def transfer(store: UcmKVStoreBase, blocks: range, bufs: np.ndarray, dump: bool) -> float:
+    """Seconds to dump or load ``blocks`` (whole blocks, all in one task)."""
+    ids = [bid(n) for n in blocks for _ in range(SHARDS)]
+    idx = [s for _ in blocks for s in range(SHARDS)]
+    tensors = [[bufs[i % len(bufs), s]] for i, _ in enumerate(blocks) for s in range(SHARDS)]
+    start = time.perf_counter()
+    task = store.dump(ids, idx, tensors) if dump else store.load(ids, idx, tensors)
+    store.wait(task)
+    return time.perf_counter() - start
+
+
+def lookup_ms(store: UcmKVStoreBase, ids: list[bytes], reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        assert store.lookup_on_prefix(ids) == len(ids) - 1
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def row(what: str, ours: float, base: float, unit: str) -> None:
+    ratio = ours / base if base else float("nan")
+    print(
+        f"  {what:<34} {ours:>9.1f} {unit:<5} baseline {base:>9.1f} {unit:<5} ratio {ratio:>5.2f}"
+    )
+
+
+def bench_s3(args: argparse.Namespace, shard: int) -> None:
+    server = MotoServer()
+    try:
+        bucket = server.create_bucket()
+        cfg = {
+            "store_pipeline": "S3",
+            "storage_backends": f"s3://{bucket}/bench",
+            "s3_endpoint": server.endpoint,
+            "s3_access_key": server.access_key,
+            "s3_secret_key": server.secret_key,
+            "block_size": shard * SHARDS,
+            "shard_size": shard,
+            "s3_max_concurrency": args.concurrency,
+            "timeout_ms": 120000,
+        }
+        store = open_store(cfg)
+        bufs = np.random.default_rng(1).integers(0, 256, (8, SHARDS, shard), dtype=np.uint8)
+        total = args.blocks * SHARDS * shard
+        d = transfer(store, range(args.blocks), bufs, dump=True)
+        out = np.empty_like(bufs)
+        ld = transfer(store, range(args.blocks), out, dump=False)
+        client = server.client()
+        obj = bytes(SHARDS * (4096 + shard))  # the object size the store writes
+
+        def put(n: int) -> None:
+            client.put_object(Bucket=bucket, Key=f"base/{n}", Body=obj)
+
+        def get(n: int) -> None:
+            client.get_object(Bucket=bucket, Key=f"base/{n}")["Body"].read()
+
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            start = time.perf_counter()
+            list(pool.map(put, range(args.blocks)))
+            bput = time.perf_counter() - start
+            start = time.perf_counter()
+            list(pool.map(get, range(args.blocks)))
+            bget = time.perf_counter() - start
+        print(
+            f"S3 (moto_server on loopback), {args.blocks} blocks of {SHARDS} x {shard >> 10} KiB, "
+            f"concurrency {args.concurrency}"
+        )
+        row("dump (PUT)", total / d / 1e6, total / bput / 1e6, "MB/s")
+        row("load (ranged GET)", total / ld / 1e6, total / bget / 1e6, "MB/s")
+
+        n_ids = 1000
+        meta = np.zeros((1, SHARDS, 16), dtype=np.uint8)
+        small = dict(
+            cfg, block_size=16 * SHARDS, shard_size=16, storage_backends=f"s3://{bucket}/ids"
+        )
+        ids_store = open_store(small)
+        for start_n in range(0, n_ids, 200):
+            transfer(ids_store, range(start_n, start_n + 200), meta, dump=True)
+        ids_store.close()
+        cold_store = open_store(dict(small, s3_lookup_cache_ttl_ms=0))
+        ids = [bid(n) for n in range(n_ids)]
+        cold = lookup_ms(cold_store, ids)
+        cold_store.close()
+        warm_store = open_store(small)
+        lookup_ms(warm_store, ids, reps=1)
+        warm = lookup_ms(warm_store, ids)
+        warm_store.close()
+        keys = [f"ids/{b.hex()[:2]}/{b.hex()}" for b in ids]
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            start = time.perf_counter()
+            list(pool.map(lambda k: client.head_object(Bucket=bucket, Key=k), keys))
+            bhead = (time.perf_counter() - start) * 1e3
+        row(f"lookup_on_prefix {n_ids} ids, cold", cold, bhead, "ms")
+        row(f"lookup_on_prefix {n_ids} ids, warm", warm, bhead, "ms")
+
+        # Cache|S3 on the Zipf trace: the cache holds a fraction of the blocks.
+        trace = zipf_trace(args.blocks, args.blocks * 8, 0.9, seed=7)
+        cache_gb = args.blocks * 0.1 * SHARDS * shard / (1 << 30)
+        cached = open_store(
+            dict(cfg, store_pipeline="Cache|S3", cache_buffer_capacity_gb=max(cache_gb, 0.001))
+        )
+        one = np.empty((1, SHARDS, shard), dtype=np.uint8)
+        start = time.perf_counter()
+        for n in trace:
+            transfer(cached, range(int(n), int(n) + 1), one, dump=False)
+        secs = time.perf_counter() - start
+        s = cached.get_stats()
+        cached.close()
+        print(
+            f"  Cache|S3, Zipf a=0.9 over {args.blocks} blocks, cache 10% of them, "
+            f"{len(trace)} loads: l1 hit {s['l1_hit_rate']:.3f}, l2 hit {s['l2_hit_rate']:.3f}, "
+            f"{len(trace) / secs:.0f} blocks/s, p99 {s['p99_load_latency_ms']:.1f} ms"
+        )
+        store.close()
+    finally:
+        server.close()
+
+
+def bench_nfs(args: argparse.Namespace, shard: int) -> None:
+    server = NfsServer()
+    try:
+        cfg = {
+            "store_pipeline": "NFS",
+            "storage_backends": server.url("bench"),
+            "block_size": shard * SHARDS,
+            "shard_size": shard,
+            "nfs_max_concurrency": args.concurrency,
+            "timeout_ms": 120000,
+        }
+        with server.in_netns():
+            store = open_store(cfg)
+        bufs = np.random.default_rng(1).integers(0, 256, (8, SHARDS, shard), dtype=np.uint8)
+        total = args.blocks * SHARDS * shard
+        d = transfer(store, range(args.blocks), bufs, dump=True)
+        out = np.empty_like(bufs)
+        ld = transfer(store, range(args.blocks), out, dump=False)
+
+        nfs_cp = find_binary("nfs-cp")
+        bput = bget = float("nan")
+        if nfs_cp:
+            with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+                src = Path(tmp) / "blob"
+                src.write_bytes(
+                    np.random.default_rng(2).bytes(args.blocks * SHARDS * (4096 + shard))
+                )
+                url = f"{server.url()}/baseline.bin"
+                start = time.perf_counter()
+                subprocess.run(
+                    server.nsenter([nfs_cp, str(src), url]), check=True, capture_output=True
+                )
+                bput = time.perf_counter() - start
+                start = time.perf_counter()
+                subprocess.run(
+                    server.nsenter([nfs_cp, url, str(Path(tmp) / "back")]),
+                    check=True,
+                    capture_output=True,
+                )
+                bget = time.perf_counter() - start
+        print(
+            f"NFS (Ganesha 4.3 VFS, NFSv3 over loopback), {args.blocks} blocks of "
+            f"{SHARDS} x {shard >> 10} KiB, concurrency {args.concurrency}"
+        )
+        row("dump (WRITE+COMMIT+RENAME)", total / d / 1e6, total / bput / 1e6, "MB/s")
+        row("load (READ)", total / ld / 1e6, total / bget / 1e6, "MB/s")
+        ids = [bid(n) for n in range(args.blocks)]
+        with server.in_netns():
+            cold_store = open_store(dict(cfg, nfs_lookup_cache_ttl_ms=0))
+        cold = lookup_ms(cold_store, ids)
+        cold_store.close()
+        lookup_ms(store, ids, reps=1)
+        warm = lookup_ms(store, ids)
+        print(f"  lookup_on_prefix {len(ids)} ids: cold {cold:.1f} ms, warm {warm:.2f} ms")
+        store.close()
+    finally:
+        server.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--shard-kib", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--only", choices=["s3", "nfs"], default=None)
+    args = ap.parse_args()
+    shard = args.shard_kib << 10
+    if args.only in (None, "s3"):
+        bench_s3(args, shard)
+    if args.only in (None, "nfs"):
+        bench_nfs(args, shard)
+
+
+if __name__ == "__main__":
+    main()

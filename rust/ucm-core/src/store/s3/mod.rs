@@ -1,0 +1,833 @@
+//! The S3 store: blocks as objects in an S3-compatible bucket (AWS S3,
+//! MinIO, Ceph RGW, ...), shared by engines on many machines.
+//!
+//! # Object layout
+//!
+//! One object per block, at `<prefix>/<2 hex>/<32 hex>` (the Posix store's
+//! relative paths, so a Posix root synced to a bucket is usable as is), and
+//! byte for byte a Posix block file ([`codec`]): shard `i` is a 4 KiB header
+//! plus data at `i * stride`. Loads fetch shards with range GETs (the
+//! contiguous shards of one block in one request) and verify the header
+//! (block id, shard index, layout fingerprint) and the xxh3 checksum before a
+//! byte reaches caller memory.
+//!
+//! # Visibility and layer-wise dumps
+//!
+//! A PUT makes an object visible whole or not at all, so readers never see a
+//! partial block, as long as each block is written by ONE PUT. Layer-wise
+//! dumps deliver a block's shards in separate tasks; the store therefore
+//! assembles them in a per-block staging buffer and PUTs the block when its
+//! last shard arrives (in whatever order and task they come). Alternatives
+//! considered and rejected:
+//! * an object per shard plus a commit marker: N+1 PUTs and N GETs per block,
+//!   and orphaned shard objects whenever a writer dies mid-block;
+//! * a multipart upload with one part per shard: visible only on
+//!   CompleteMultipartUpload (atomic, no staging memory), but S3 requires
+//!   every part but the last to be at least 5 MiB, and per-layer shards of
+//!   KV blocks are usually far smaller; an abandoned upload also costs
+//!   storage until a lifecycle rule aborts it.
+//!
+//! Staging memory is bounded by `staging_bytes` (blocks being uploaded
+//! count until their PUT finishes). A new block waits for room until its
+//! task's deadline, and blocks whose missing shards never come are dropped
+//! after twice `timeout_ms` of inactivity. As in the Posix store, a shard's
+//! unit completes when its bytes are staged; the unit that completes a
+//! block completes when the PUT did, with its outcome.
+//!
+//! # Lookups
+//!
+//! HEAD requests (presence and size: an object of another size is another
+//! layout's, not a hit), `s3_max_concurrency` at a time in id order, a
+//! prefix lookup stopping at its first miss, and a [`shared::LookupCache`]
+//! of results (positive ones for `s3_lookup_cache_ttl_ms`, negative ones for
+//! `s3_negative_cache_ttl_ms`), so repeated prefix lookups of the same ids
+//! on every scheduler step cost no round trip. Blocks this store wrote are
+//! cached as present.
+//!
+//! # Failures
+//!
+//! Requests are retried with exponential backoff (5xx, connection errors,
+//! timeouts of idempotent requests; `s3_retries`), each bounded by
+//! `timeout_ms`, and every task unit is also cut off at its task's deadline.
+//! A transport failure opens a [`shared::Breaker`]: for a short, growing
+//! pause lookups answer "absent" and transfers fail at once, so a dead
+//! server means recomputation, not stalls. Wrong credentials, a missing
+//! bucket or an unreachable endpoint fail `open` with a message naming the
+//! key. Credentials never appear in logs or errors.
+
+pub mod codec;
+pub mod config;
+pub mod shared;
+
+pub use config::{S3Config, S3Location};
+
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path as ObjPath;
+use object_store::{
+    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+};
+use parking_lot::Mutex;
+
+use self::codec::{check_shards, decode_region, encode_region, is_layout_mismatch, read_len};
+use self::shared::{
+    group_by_block, probe_all, probe_prefix, run_blocking, spawn_unit, Breaker, LookupCache,
+    Runtime, Unit,
+};
+use super::{Store, StoreStats};
+use crate::block::{BlockId, ShardIo};
+use crate::error::{Result, UcmError};
+use crate::store::posix::index::IdHasher;
+use crate::store::posix::layout::Layout;
+use crate::task::{TaskId, TaskRegistry};
+
+type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
+type Upload = SharedFuture<BoxFuture<'static, Result<()>>>;
+
+/// One block whose shards are being assembled.
+struct Staged {
+    buf: Vec<u8>,
+    have: Vec<bool>,
+    count: usize,
+    last_activity: Instant,
+    /// Set once the block left the staging map (complete or dropped).
+    closed: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    lookups: AtomicU64,
+    heads: AtomicU64,
+    gets: AtomicU64,
+    puts: AtomicU64,
+    bytes_loaded: AtomicU64,
+    bytes_dumped: AtomicU64,
+    shards_loaded: AtomicU64,
+    blocks_uploaded: AtomicU64,
+    upload_failures: AtomicU64,
+    corrupt_loads: AtomicU64,
+    request_errors: AtomicU64,
+    stale_dropped: AtomicU64,
+}
+
+struct Shared {
+    cfg: S3Config,
+    loc: S3Location,
+    layout: Layout,
+    client: Arc<AmazonS3>,
+    prefix: ObjPath,
+    handle: tokio::runtime::Handle,
+    tasks: TaskRegistry,
+    cache: LookupCache,
+    breaker: Breaker,
+    limiter: tokio::sync::Semaphore,
+    staging: Mutex<IdMap<Arc<Mutex<Staged>>>>,
+    uploads: Mutex<IdMap<Upload>>,
+    staged_bytes: AtomicU64,
+    room: tokio::sync::Notify,
+    counters: Counters,
+}
+
+/// Blocks as objects in an S3-compatible bucket.
+pub struct S3Store {
+    shared: Arc<Shared>,
+    runtime: Mutex<Option<Runtime>>,
+    closed: AtomicBool,
+}
+
+/// Classifies an object_store error: the core error, and whether it says
+/// the server is unreachable or failing (which opens the breaker).
+fn map_err(op: &str, what: &str, e: object_store::Error) -> (UcmError, bool) {
+    match e {
+        object_store::Error::NotFound { .. } => (UcmError::NotFound(what.to_string()), false),
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => (
+            UcmError::TaskFailed(format!(
+                "S3 {op} {what}: access denied (check s3_access_key / s3_secret_key and the \
+                 bucket policy): {e}"
+            )),
+            false,
+        ),
+        other => {
+            let msg = other.to_string();
+            let client_error = msg.contains("status code: 4");
+            let timeout = msg.contains("timed out") || msg.contains("Timeout");
+            let err = if timeout {
+                UcmError::Timeout(format!("S3 {op} {what}: {msg}"))
+            } else {
+                UcmError::TaskFailed(format!("S3 {op} {what}: {msg}"))
+            };
+            (err, !client_error)
+        }
+    }
+}
+
+impl S3Store {
+    /// Validates `cfg`, connects, and checks that the bucket exists and the
+    /// credentials are accepted (one LIST request under the prefix).
+    pub fn open(cfg: S3Config) -> Result<Self> {
+        let cfg = cfg.resolved()?;
+        let loc = cfg.validate()?;
+        // Requests use rustls with ring (no aws-lc-rs / cmake in the build);
+        // installing fails harmlessly when a provider is already in place.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let runtime = Runtime::new("ucm-s3", cfg.io_threads)?;
+        let request_timeout = Duration::from_millis(if cfg.timeout_ms == 0 {
+            30_000
+        } else {
+            cfg.timeout_ms
+        });
+        let mut builder = AmazonS3Builder::from_env()
+            .with_bucket_name(&loc.bucket)
+            .with_virtual_hosted_style_request(cfg.virtual_hosted_style)
+            .with_retry(RetryConfig {
+                backoff: BackoffConfig {
+                    init_backoff: Duration::from_millis(50),
+                    max_backoff: Duration::from_secs(2),
+                    base: 2.0,
+                },
+                max_retries: cfg.retries,
+                retry_timeout: request_timeout,
+            })
+            .with_client_options(
+                ClientOptions::new()
+                    .with_timeout(request_timeout)
+                    .with_connect_timeout(request_timeout.min(Duration::from_secs(5)))
+                    .with_pool_max_idle_per_host(cfg.max_concurrency)
+                    .with_allow_http(cfg.endpoint.starts_with("http://")),
+            );
+        if !cfg.endpoint.is_empty() {
+            builder = builder
+                .with_endpoint(&cfg.endpoint)
+                .with_allow_http(cfg.endpoint.starts_with("http://"));
+        }
+        if !cfg.region.is_empty() {
+            builder = builder.with_region(&cfg.region);
+        } else if std::env::var("AWS_REGION").is_err()
+            && std::env::var("AWS_DEFAULT_REGION").is_err()
+        {
+            builder = builder.with_region("us-east-1");
+        }
+        if !cfg.access_key.is_empty() {
+            builder = builder
+                .with_access_key_id(&cfg.access_key)
+                .with_secret_access_key(&cfg.secret_key);
+        }
+        if !cfg.session_token.is_empty() {
+            builder = builder.with_token(&cfg.session_token);
+        }
+        let client = Arc::new(
+            builder
+                .build()
+                .map_err(|e| UcmError::invalid(format!("S3 store for {}: {e}", cfg.url)))?,
+        );
+        let prefix = if loc.prefix.is_empty() {
+            ObjPath::default()
+        } else {
+            ObjPath::parse(&loc.prefix)
+                .map_err(|e| UcmError::invalid(format!("storage_backends: {e}")))?
+        };
+        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        let handle = runtime.handle();
+        let shared = Arc::new(Shared {
+            tasks: TaskRegistry::new(cfg.timeout_ms),
+            cache: LookupCache::new(
+                Duration::from_millis(cfg.lookup_cache_ttl_ms),
+                Duration::from_millis(cfg.negative_cache_ttl_ms),
+                1 << 20,
+            ),
+            breaker: Breaker::default(),
+            limiter: tokio::sync::Semaphore::new(cfg.max_concurrency),
+            staging: Mutex::new(IdMap::default()),
+            uploads: Mutex::new(IdMap::default()),
+            staged_bytes: AtomicU64::new(0),
+            room: tokio::sync::Notify::new(),
+            counters: Counters::default(),
+            layout,
+            client,
+            prefix,
+            handle,
+            loc,
+            cfg,
+        });
+        if let Err(e) = shared.check_access() {
+            runtime.shutdown(Duration::from_secs(1));
+            return Err(e);
+        }
+        log::info!(
+            "S3 store over s3://{}/{} at {} (access key {})",
+            shared.loc.bucket,
+            shared.loc.prefix,
+            if shared.cfg.endpoint.is_empty() {
+                "AWS"
+            } else {
+                &shared.cfg.endpoint
+            },
+            config::redact(&shared.cfg.access_key)
+        );
+        Ok(S3Store {
+            shared,
+            runtime: Mutex::new(Some(runtime)),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// The object layout in use.
+    pub fn layout(&self) -> &Layout {
+        &self.shared.layout
+    }
+
+    /// The object key of a block (for tools and tests).
+    pub fn object_key(&self, id: &BlockId) -> String {
+        self.shared.path(id).to_string()
+    }
+
+    fn check_transfer(&self, shards: &[ShardIo]) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        if !self.shared.cfg.transfers_enabled() {
+            return Err(UcmError::Unsupported(
+                "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
+            ));
+        }
+        check_shards(&self.shared.layout, shards)
+    }
+
+    fn deadline(&self) -> Option<tokio::time::Instant> {
+        (self.shared.cfg.timeout_ms > 0).then(|| {
+            tokio::time::Instant::now() + Duration::from_millis(self.shared.cfg.timeout_ms)
+        })
+    }
+}
+
+impl Shared {
+    fn path(&self, id: &BlockId) -> ObjPath {
+        let (dir, name) = codec::block_key(id);
+        self.prefix.clone().join(dir).join(name)
+    }
+
+    fn url_of(&self, id: &BlockId) -> String {
+        format!("s3://{}/{}", self.loc.bucket, self.path(id))
+    }
+
+    /// One LIST under the prefix: proves the endpoint answers, the bucket
+    /// exists and the credentials are accepted.
+    fn check_access(self: &Arc<Self>) -> Result<()> {
+        let s = self.clone();
+        let budget = Duration::from_millis(self.cfg.timeout_ms.clamp(1, 30_000));
+        let outcome = run_blocking(&self.handle, async move {
+            let prefix = (!s.loc.prefix.is_empty()).then_some(&s.prefix);
+            tokio::time::timeout(budget, s.client.list_with_delimiter(prefix)).await
+        })?;
+        let endpoint = if self.cfg.endpoint.is_empty() {
+            "AWS".to_string()
+        } else {
+            self.cfg.endpoint.clone()
+        };
+        match outcome {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => {
+                let msg = e.to_string();
+                Err(match e {
+                    object_store::Error::NotFound { .. } => UcmError::invalid(format!(
+                        "storage_backends: bucket {:?} does not exist at {endpoint}",
+                        self.loc.bucket
+                    )),
+                    object_store::Error::PermissionDenied { .. }
+                    | object_store::Error::Unauthenticated { .. } => UcmError::invalid(format!(
+                        "s3_access_key / s3_secret_key: {endpoint} rejected the credentials \
+                         (access key {:?}) for bucket {:?}: {msg}",
+                        config::redact(&self.cfg.access_key),
+                        self.loc.bucket
+                    )),
+                    _ if msg.contains("NoSuchBucket") => UcmError::invalid(format!(
+                        "storage_backends: bucket {:?} does not exist at {endpoint}",
+                        self.loc.bucket
+                    )),
+                    _ if msg.contains("InvalidAccessKeyId")
+                        || msg.contains("SignatureDoesNotMatch")
+                        || msg.contains("AccessDenied")
+                        || msg.contains("status code: 403") =>
+                    {
+                        UcmError::invalid(format!(
+                            "s3_access_key / s3_secret_key: {endpoint} rejected the credentials \
+                             (access key {:?}) for bucket {:?}: {msg}",
+                            config::redact(&self.cfg.access_key),
+                            self.loc.bucket
+                        ))
+                    }
+                    _ => UcmError::invalid(format!(
+                        "s3_endpoint: cannot use {endpoint} for bucket {:?}: {msg}",
+                        self.loc.bucket
+                    )),
+                })
+            }
+            Err(_) => Err(UcmError::Timeout(format!(
+                "s3_endpoint: {endpoint} did not answer within {budget:?}"
+            ))),
+        }
+    }
+
+    fn note_err(&self, op: &str, what: &str, e: object_store::Error) -> UcmError {
+        let (err, transport) = map_err(op, what, e);
+        if transport {
+            self.counters.request_errors.fetch_add(1, Ordering::Relaxed);
+            self.breaker.trip(&err.to_string());
+        }
+        err
+    }
+
+    /// Presence of one block: cache, else HEAD. Errors count as absent.
+    async fn present(self: Arc<Self>, id: BlockId) -> bool {
+        if let Some(p) = self.cache.get(&id) {
+            return p;
+        }
+        if self.breaker.is_open() {
+            return false;
+        }
+        let path = self.path(&id);
+        let res = {
+            let _permit = self.limiter.acquire().await;
+            self.counters.heads.fetch_add(1, Ordering::Relaxed);
+            self.client.head(&path).await
+        };
+        match res {
+            Ok(meta) => {
+                self.breaker.reset();
+                let present = meta.size == self.layout.file_len();
+                self.cache.put(id, present);
+                present
+            }
+            Err(object_store::Error::NotFound { .. }) => {
+                self.breaker.reset();
+                self.cache.put(id, false);
+                false
+            }
+            Err(e) => {
+                let err = self.note_err("HEAD", &self.url_of(&id), e);
+                log::debug!("lookup of block {id} counted as a miss: {err}");
+                false
+            }
+        }
+    }
+
+    async fn load_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
+        self.breaker.check(&format!("load of block {block}"))?;
+        let mut idx: Vec<usize> = shards.iter().map(|s| s.index).collect();
+        idx.sort_unstable();
+        let path = self.path(&block);
+        let stride = self.layout.stride as u64;
+        let fetches = codec::runs(&idx).into_iter().map(|(first, n)| {
+            let start = self.layout.offset(first);
+            let end = start + (n as u64 - 1) * stride + read_len(&self.layout) as u64;
+            let path = path.clone();
+            let s = self.clone();
+            async move {
+                let _permit = s.limiter.acquire().await;
+                s.counters.gets.fetch_add(1, Ordering::Relaxed);
+                let bytes = s.client.get_range(&path, start..end).await;
+                (first, n, bytes)
+            }
+        });
+        let fetched = futures::future::join_all(fetches).await;
+        let mut regions: Vec<(usize, usize, Bytes)> = Vec::with_capacity(fetched.len());
+        for (first, n, res) in fetched {
+            match res {
+                Ok(b) => regions.push((first, n, b)),
+                Err(e) => {
+                    let err = self.note_err("GET", &self.url_of(&block), e);
+                    if err.code() == -50005 {
+                        self.breaker.reset();
+                        self.cache.put(block, false);
+                        return Err(UcmError::NotFound(format!(
+                            "block {block} is not in s3://{}/{}",
+                            self.loc.bucket, self.loc.prefix
+                        )));
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        self.breaker.reset();
+        // Verify every shard before writing any caller memory.
+        let region_of = |index: usize| -> Option<&[u8]> {
+            regions.iter().find_map(|(first, n, b)| {
+                (index >= *first && index < first + n).then(|| {
+                    let off = (index - first) * self.layout.stride;
+                    &b[off.min(b.len())..]
+                })
+            })
+        };
+        for s in &shards {
+            let raw = region_of(s.index).ok_or_else(|| {
+                UcmError::TaskFailed(format!("block {block} shard {}: not fetched", s.index))
+            })?;
+            // SAFETY: the caller keeps the segments valid until its task
+            // completes, which happens after this returns.
+            if let Err(e) = unsafe { decode_region(&self.layout, s, raw) } {
+                self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
+                self.cache.forget(&block);
+                if !is_layout_mismatch(&e) {
+                    // Useless to every reader: let the next dump rewrite it.
+                    log::warn!("{e}; deleting {}", self.url_of(&block));
+                    let _ = self.client.delete(&path).await;
+                }
+                return Err(e);
+            }
+            self.counters.shards_loaded.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .bytes_loaded
+                .fetch_add(self.layout.shard_size as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn stale_after(&self) -> Duration {
+        Duration::from_millis((self.cfg.timeout_ms * 2).max(60_000))
+    }
+
+    /// Drops staged blocks nobody added a shard to for a long time.
+    fn sweep_stale(&self) {
+        let limit = self.stale_after();
+        let mut map = self.staging.lock();
+        let before = map.len();
+        map.retain(|_, st| {
+            let mut st = st.lock();
+            if st.last_activity.elapsed() < limit {
+                return true;
+            }
+            st.closed = true;
+            self.staged_bytes
+                .fetch_sub(st.buf.len() as u64, Ordering::AcqRel);
+            st.buf = Vec::new();
+            false
+        });
+        let dropped = before - map.len();
+        if dropped > 0 {
+            self.counters
+                .stale_dropped
+                .fetch_add(dropped as u64, Ordering::Relaxed);
+            log::warn!(
+                "dropped {dropped} partially dumped block(s): their other shards never came"
+            );
+            self.room.notify_waiters();
+        }
+    }
+
+    /// Reserves staging room for one block, waiting while the buffer is full.
+    async fn reserve(&self) -> Result<()> {
+        let need = self.layout.file_len();
+        let budget = self.cfg.staging_bytes.max(need);
+        loop {
+            let notified = self.room.notified();
+            let cur = self.staged_bytes.load(Ordering::Acquire);
+            if cur + need <= budget {
+                if self
+                    .staged_bytes
+                    .compare_exchange(cur, cur + need, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return Ok(());
+                }
+                continue;
+            }
+            self.sweep_stale();
+            let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
+        }
+    }
+
+    fn release(&self, bytes: u64) {
+        self.staged_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        self.room.notify_waiters();
+    }
+
+    async fn dump_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
+        if self.cache.get(&block) == Some(true) {
+            // Content-addressed: the stored block already holds these bytes.
+            return Ok(());
+        }
+        let mut reserved = false;
+        let entry = loop {
+            {
+                let mut map = self.staging.lock();
+                let upload = self.uploads.lock().get(&block).cloned();
+                if let Some(up) = upload {
+                    drop(map);
+                    if reserved {
+                        self.release(self.layout.file_len());
+                    }
+                    return up.await;
+                }
+                if let Some(e) = map.get(&block) {
+                    if reserved {
+                        self.release(self.layout.file_len());
+                    }
+                    break e.clone();
+                }
+                if reserved {
+                    let e = Arc::new(Mutex::new(Staged {
+                        buf: vec![0u8; self.layout.file_len() as usize],
+                        have: vec![false; self.layout.shard_count],
+                        count: 0,
+                        last_activity: Instant::now(),
+                        closed: false,
+                    }));
+                    map.insert(block, e.clone());
+                    break e;
+                }
+            }
+            self.reserve().await?;
+            reserved = true;
+        };
+        // Copy the shards in (no await while holding the entry: a cancelled
+        // future never leaves a half-copied shard behind).
+        let complete = {
+            let mut st = entry.lock();
+            if st.closed {
+                None
+            } else {
+                Some(self.stage_shards(&mut st, &shards))
+            }
+        };
+        let complete = match complete {
+            // Completed or dropped meanwhile: start over (cheap and rare).
+            None => return Box::pin(self.clone().dump_group(block, shards)).await,
+            Some(c) => c,
+        };
+        let Some(buf) = complete else {
+            return Ok(());
+        };
+        let up = self.clone().start_upload(block, buf);
+        up.await
+    }
+
+    /// Copies shards into a staged block; the whole buffer once complete.
+    fn stage_shards(&self, st: &mut Staged, shards: &[ShardIo]) -> Option<Vec<u8>> {
+        {
+            for s in shards {
+                if st.have[s.index] {
+                    continue;
+                }
+                let off = self.layout.offset(s.index) as usize;
+                let stride = self.layout.stride;
+                // SAFETY: the caller keeps the segments valid until its task
+                // completes; the region lies inside the block buffer.
+                unsafe { encode_region(&self.layout, s, &mut st.buf[off..off + stride]) };
+                st.have[s.index] = true;
+                st.count += 1;
+            }
+            st.last_activity = Instant::now();
+            if st.count == self.layout.shard_count {
+                st.closed = true;
+                Some(std::mem::take(&mut st.buf))
+            } else {
+                None
+            }
+        }
+    }
+
+    /// Moves a complete block from staging to an upload that runs to its end
+    /// on the runtime (even if the task that completed it times out).
+    fn start_upload(self: Arc<Self>, block: BlockId, buf: Vec<u8>) -> Upload {
+        let len = buf.len() as u64;
+        let (tx, rx) = tokio::sync::oneshot::channel::<Result<()>>();
+        let up: Upload = async move { rx.await.unwrap_or(Err(UcmError::Closed)) }
+            .boxed()
+            .shared();
+        {
+            // Registered before the PUT starts, so the PUT's own removal
+            // always comes after (a finished upload never lingers).
+            let mut map = self.staging.lock();
+            map.remove(&block);
+            self.uploads.lock().insert(block, up.clone());
+        }
+        let s = self.clone();
+        self.handle.spawn(async move {
+            let outcome = async {
+                s.breaker.check(&format!("upload of block {block}"))?;
+                let path = s.path(&block);
+                let _permit = s.limiter.acquire().await;
+                s.counters.puts.fetch_add(1, Ordering::Relaxed);
+                match s
+                    .client
+                    .put(&path, PutPayload::from(Bytes::from(buf)))
+                    .await
+                {
+                    Ok(_) => {
+                        s.breaker.reset();
+                        Ok(())
+                    }
+                    Err(e) => Err(s.note_err("PUT", &s.url_of(&block), e)),
+                }
+            }
+            .await;
+            match &outcome {
+                Ok(()) => {
+                    s.counters.blocks_uploaded.fetch_add(1, Ordering::Relaxed);
+                    s.counters.bytes_dumped.fetch_add(len, Ordering::Relaxed);
+                    s.cache.put(block, true);
+                }
+                Err(_) => {
+                    s.counters.upload_failures.fetch_add(1, Ordering::Relaxed);
+                    s.cache.forget(&block);
+                }
+            }
+            s.uploads.lock().remove(&block);
+            s.release(len);
+            let _ = tx.send(outcome);
+        });
+        up
+    }
+}
+
+impl Store for S3Store {
+    fn name(&self) -> &'static str {
+        "S3"
+    }
+
+    fn lookup(&self, ids: &[BlockId]) -> Result<Vec<bool>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        let s = self.shared.clone();
+        s.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        let ids = ids.to_vec();
+        let conc = s.cfg.max_concurrency;
+        run_blocking(&s.handle.clone(), async move {
+            probe_all(ids, conc, |id| s.clone().present(id)).await
+        })
+    }
+
+    fn lookup_on_prefix(&self, ids: &[BlockId]) -> Result<isize> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        let s = self.shared.clone();
+        s.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        let ids = ids.to_vec();
+        let conc = s.cfg.max_concurrency;
+        run_blocking(&s.handle.clone(), async move {
+            probe_prefix(ids, conc, |id| s.clone().present(id)).await
+        })
+    }
+
+    fn prefetch(&self, _ids: &[BlockId]) -> Result<()> {
+        // A hint; loads fetch exactly the ranges they need, so there is
+        // nothing worth fetching ahead.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        Ok(())
+    }
+
+    fn load(&self, shards: Vec<ShardIo>) -> Result<TaskId> {
+        self.check_transfer(&shards)?;
+        let task = self.shared.tasks.create("load", shards.len());
+        let deadline = self.deadline();
+        for (block, group) in group_by_block(shards, |s| s.block) {
+            let unit = Unit::new(task.clone(), group.len());
+            let fut = self.shared.clone().load_group(block, group);
+            spawn_unit(
+                &self.shared.handle,
+                unit,
+                deadline,
+                format!("S3 load of block {block}"),
+                fut,
+            );
+        }
+        Ok(task.id())
+    }
+
+    fn dump(&self, shards: Vec<ShardIo>, _prerequisite: u64) -> Result<TaskId> {
+        self.check_transfer(&shards)?;
+        let task = self.shared.tasks.create("dump", shards.len());
+        let deadline = self.deadline();
+        for (block, group) in group_by_block(shards, |s| s.block) {
+            let unit = Unit::new(task.clone(), group.len());
+            let fut = self.shared.clone().dump_group(block, group);
+            spawn_unit(
+                &self.shared.handle,
+                unit,
+                deadline,
+                format!("S3 dump of block {block}"),
+                fut,
+            );
+        }
+        Ok(task.id())
+    }
+
+    fn wait(&self, task: TaskId) -> Result<()> {
+        self.shared.tasks.wait(task)
+    }
+
+    fn check(&self, task: TaskId) -> Result<bool> {
+        self.shared.tasks.check(task)
+    }
+
+    fn close(&self) -> Result<()> {
+        self.closed.store(true, Ordering::Release);
+        let Some(rt) = self.runtime.lock().take() else {
+            return Ok(());
+        };
+        // Let uploads already started finish (bounded by their timeouts).
+        let until = Instant::now() + Duration::from_millis(self.shared.cfg.timeout_ms.max(1000));
+        while !self.shared.uploads.lock().is_empty() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let partial = self.shared.staging.lock().len();
+        if partial > 0 {
+            log::warn!(
+                "S3 store closed with {partial} partially dumped block(s); they are dropped"
+            );
+        }
+        rt.shutdown(Duration::from_secs(2));
+        Ok(())
+    }
+
+    fn stats(&self) -> StoreStats {
+        let c = &self.shared.counters;
+        let mut s = StoreStats::new();
+        let mut put = |k: &str, v: u64| {
+            s.insert(k.to_string(), v as f64);
+        };
+        put("lookups", c.lookups.load(Ordering::Relaxed));
+        put("head_requests", c.heads.load(Ordering::Relaxed));
+        put("get_requests", c.gets.load(Ordering::Relaxed));
+        put("put_requests", c.puts.load(Ordering::Relaxed));
+        put("bytes_loaded", c.bytes_loaded.load(Ordering::Relaxed));
+        put("bytes_dumped", c.bytes_dumped.load(Ordering::Relaxed));
+        put("shards_loaded", c.shards_loaded.load(Ordering::Relaxed));
+        put("blocks_uploaded", c.blocks_uploaded.load(Ordering::Relaxed));
+        put("upload_failures", c.upload_failures.load(Ordering::Relaxed));
+        put("corrupt_loads", c.corrupt_loads.load(Ordering::Relaxed));
+        put("request_errors", c.request_errors.load(Ordering::Relaxed));
+        put(
+            "stale_staged_dropped",
+            c.stale_dropped.load(Ordering::Relaxed),
+        );
+        put("breaker_trips", self.shared.breaker.trips());
+        let (hit, miss) = self.shared.cache.counts();
+        put("lookup_cache_hits", hit);
+        put("lookup_cache_misses", miss);
+        put("staged_blocks", self.shared.staging.lock().len() as u64);
+        put(
+            "staged_bytes",
+            self.shared.staged_bytes.load(Ordering::Relaxed),
+        );
+        s
+    }
+}
+
+impl Drop for S3Store {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
