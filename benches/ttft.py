@@ -1,0 +1,272 @@
+"""Time to first token with UCMConnector on real vLLM (the CPU build here).
+
+A random-weight Llama big enough that prefill costs real time (16 layers,
+hidden 1024, 8 KV heads of 128, float32: 128 KiB of KV per token), prompts of
+2k, 4k and 8k tokens. For each length, in one run:
+
+* ``recompute``: no connector, nothing cached: the whole prefill;
+* ``ucm miss``: with the connector, a prompt it has never seen (0 % hits;
+  its blocks are saved): the connector's overhead against ``recompute``
+  (both engines alive, measured alternately on the same prompts);
+* ``ucm mem``: a fresh engine (new process) loading the prompt from UCM with
+  the store's files in memory (page cache, or the Cache tier);
+* ``ucm disk``: a fresh engine after the store's files were evicted from the
+  page cache (``posix_fadvise(DONTNEED)``);
+* ``vllm hit``: right after each load, the same engine serves the prompt
+  again: vLLM's own in-memory prefix cache (the floor: nothing to load),
+  measured in the same process and moment as the load it is compared with;
+
+and once, the raw sequential O_DIRECT read bandwidth of the store's disk.
+Targets: ``ucm mem`` <= 1.25 x ``vllm hit``; ``ucm disk - vllm hit`` <= 1.2 x
+(KV bytes loaded / raw read bandwidth); ``ucm miss`` <= 1.03 x ``recompute``
+(also given in CPU time of the engine process, which other load on a shared
+machine disturbs much less than wall time). Prefill is chunked (``--chunk``
+tokens per step), so saves of a chunk overlap the compute of the next.
+
+Run (a few minutes; not part of CI)::
+
+    .venv/bin/python benches/ttft.py [--lengths 2048 4096 8192] [--modes layerwise wholestep]
+        [--pipeline Posix|Cache|Posix] [--io-direct] [--repeat 2] [--dir DIR]
+
+Loads are measured in both modes, each in ``--repeat`` fresh engines (best
+kept); recompute and miss on ``--overhead-repeat`` prompts (up to 4k tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ucm.integration.vllm.harness import EngineProcess, engine_env
+from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_SPEC = TinyModelSpec(
+    layers=16, hidden=1024, heads=8, kv_heads=8, intermediate=2816, vocab=512, max_positions=16384
+)
+KV_BYTES_PER_TOKEN = 2 * BENCH_SPEC.kv_heads * BENCH_SPEC.head_dim * 4 * BENCH_SPEC.layers
+BLOCK = 32
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 500) for _ in range(n)]
+
+
+def _bench_dir() -> Path:
+    d = REPO / ".ucm-demo" / "bench"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def evict_page_cache(root: Path) -> int:
+    """Drops the store's files from the page cache; returns the bytes dropped."""
+    os.sync()
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
+def raw_read_gbps(root: Path, total: int = 1 << 30) -> float:
+    """Sequential O_DIRECT read bandwidth of the disk under ``root`` (1 MiB I/Os, QD 8)."""
+    from ucm import _native
+
+    fn = getattr(_native, "baseline_direct_io_gbps", None)
+    if fn is None:  # pragma: no cover - older builds
+        return float("nan")
+    return statistics.median(fn(str(root), "read", total, 1 << 20, 8) for _ in range(3))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument(
+        "--modes", nargs="+", choices=("layerwise", "wholestep"), default=["layerwise", "wholestep"]
+    )
+    ap.add_argument("--pipeline", default="Posix", help="store pipeline (Posix, Cache|Posix)")
+    ap.add_argument("--io-direct", action="store_true", help="O_DIRECT store I/O")
+    ap.add_argument("--dir", type=Path, default=None, help="store directory (default: temp)")
+    ap.add_argument("--model-dir", type=Path, default=REPO / ".ucm-demo" / "bench-model")
+    ap.add_argument("--repeat", type=int, default=2, help="fresh engines per load measurement")
+    ap.add_argument(
+        "--overhead-repeat", type=int, default=2, help="prompts per length (<= 4k) for overhead"
+    )
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument(
+        "--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk size)"
+    )
+    args = ap.parse_args(argv)
+
+    t0 = time.time()
+    model = make_tiny_llama(args.model_dir, BENCH_SPEC)
+    print(f"model: {model} ({time.time() - t0:.0f}s)", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="ucm-ttft-", dir=args.dir or _bench_dir()))
+    store = work / "store"
+    store.mkdir()
+    logs = work / "logs"
+    logs.mkdir()
+    raw = raw_read_gbps(store)
+    print(f"raw O_DIRECT sequential read: {raw:.2f} GB/s ({store})", flush=True)
+
+    max_len = max(args.lengths) + 64
+    llm = {
+        "max_model_len": max_len,
+        "max_num_batched_tokens": args.chunk,
+        "enable_chunked_prefill": True,
+        "kv_cache_memory_bytes": int(KV_BYTES_PER_TOKEN * max_len * 3.5),
+    }
+    ucm: dict[str, Any] = {
+        "storage_backends": str(store),
+        "store_pipeline": args.pipeline,
+    }
+    modes = args.modes
+    if "Cache" in args.pipeline:
+        ucm["cache_buffer_capacity_gb"] = 4
+    if args.io_direct:
+        ucm["io_direct"] = True
+    rng = random.Random(7)
+    # Prompt 0 of each length is stored and then loaded; the others only
+    # repeat the overhead measurement.
+    reps = {n: (args.overhead_repeat if n <= 4096 else 1) for n in args.lengths}
+    prompts = {n: [_tokens(rng, n) for _ in range(reps[n])] for n in args.lengths}
+    res: dict[int, dict[str, float]] = {n: {} for n in args.lengths}
+    warmup = _tokens(rng, 8 * BLOCK)
+    env = engine_env()
+
+    def engine(name: str, with_ucm: bool) -> EngineProcess:
+        t = time.time()
+        cfg: dict[str, Any] = {"model": str(model), "llm": llm}
+        if with_ucm:
+            cfg["ucm"] = ucm
+        e = EngineProcess(cfg, logs / f"{name}.log", env=env, cwd=work)
+        # Warm-up: first-call costs (and, from the second connector engine
+        # on, the load path) off the measurements; then let start-up
+        # background work (store scans, spare files, the warm-up's saves) end.
+        e.generate([warmup], max_tokens=1)
+        time.sleep(3)
+        print(f"engine {name} up ({time.time() - t:.0f}s)", flush=True)
+        return e
+
+    def best(n: int, key: str, value: float) -> None:
+        res[n][key] = min(res[n].get(key, float("inf")), value)
+
+    # 1. Recompute vs the connector at 0 % hits: both engines alive, measured
+    #    alternately on the same prompts (other load on the machine hits both).
+    #    The connector engine saves the prompts.
+    plain = engine("no-connector", False)
+    saver = engine("ucm-save", True)
+    for n in args.lengths:
+        for i, p in enumerate(prompts[n]):
+            order = [(plain, "recompute"), (saver, "ucm_miss")]
+            for e, key in order if i % 2 == 0 else order[::-1]:
+                out = e.generate([p], max_tokens=1)
+                assert out["cached"] == [0], (key, out["cached"])
+                best(n, key, out["seconds"])
+                best(n, key + "_cpu", out["cpu_seconds"])
+        for _ in range(3):
+            best(n, "vllm_hit_plain", plain.ttft(prompts[n][0])[0])
+        r = res[n]
+        print(
+            f"{n}: recompute {r['recompute']:.2f}s ({r['recompute_cpu']:.2f}s CPU), "
+            f"ucm miss {r['ucm_miss']:.2f}s ({r['ucm_miss_cpu']:.2f}s CPU), "
+            f"vllm hit {r['vllm_hit_plain']:.3f}s",
+            flush=True,
+        )
+    save_m = saver.metrics()
+    saver.close()  # flushes the saves
+    plain.close()
+
+    # 2. Fresh engines (new processes) load prompt 0 from UCM: from memory (the
+    #    saving engine's files are in the page cache), and off the disk after
+    #    evicting them. Right after, the same engine serves the prompt again:
+    #    vLLM's own in-memory prefix hit, measured in the same process and
+    #    moment as the load it is compared with.
+    load_m: dict[str, dict[str, float]] = {}
+    for mode in modes:
+        ucm["use_layerwise"] = mode == "layerwise"
+        for where in ("mem", "disk"):
+            for rep in range(args.repeat):
+                e = engine(f"ucm-{where}-{mode}-{rep}", True)
+                if where == "disk":
+                    gib = evict_page_cache(store) / 2**30
+                    print(f"evicted {gib:.2f} GiB of store files from the page cache")
+                for n in args.lengths:
+                    p = prompts[n][0]
+                    t, cached = e.ttft(p)
+                    assert cached >= n - BLOCK, (n, cached)
+                    hit = min(e.ttft(p)[0] for _ in range(2))
+                    best(n, f"{where}_{mode}", t)
+                    best(n, f"{where}_{mode}_hit", hit)
+                    print(
+                        f"{n}: {where} {mode}: UCM {t:.3f}s ({cached} tokens), vLLM hit {hit:.3f}s",
+                        flush=True,
+                    )
+                load_m[f"{where}_{mode}"] = e.metrics()
+                e.close()
+
+    print()
+    print(
+        f"pipeline {args.pipeline}, raw O_DIRECT read {raw:.2f} GB/s, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}; best of {args.repeat} fresh engines per cell"
+    )
+    print(
+        "| prompt | recompute | UCM miss: wall, CPU overhead | mode | vLLM hit | UCM mem (x hit) "
+        "| UCM disk | disk - hit | KV bytes / raw BW | ratio |"
+    )
+    print("|" + "---|" * 10)
+    for n in args.lengths:
+        r = res[n]
+        nbytes = (n // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
+        bound = nbytes / (raw * 1e9) if raw == raw and raw > 0 else float("nan")
+        r.update(kv_bytes=nbytes, raw_bound=bound)
+        for i, mode in enumerate(modes):
+            mem, mem_hit = r[f"mem_{mode}"], r[f"mem_{mode}_hit"]
+            disk, disk_hit = r[f"disk_{mode}"], r[f"disk_{mode}_hit"]
+            hit = min(mem_hit, disk_hit)
+            above = disk - disk_hit
+            head = (
+                f"| {n} | {r['recompute']:.2f}s | {r['ucm_miss']:.2f}s: "
+                f"{(r['ucm_miss'] / r['recompute'] - 1) * 100:+.1f}%, "
+                f"{(r['ucm_miss_cpu'] / r['recompute_cpu'] - 1) * 100:+.1f}%"
+                if i == 0
+                else "| | |"
+            )
+            print(
+                f"{head} | {mode} | {hit:.3f}s | {mem:.3f}s ({mem / mem_hit:.2f}x) | {disk:.3f}s "
+                f"| {above:.3f}s | {bound:.3f}s ({nbytes / 2**20:.0f} MiB) | {above / bound:.2f}x |"
+            )
+    print()
+    print(
+        f"saving engine: {save_m.get('ucm_save_blocks_total', 0):.0f} blocks saved at "
+        f"{save_m.get('ucm_save_speed_gbps', 0):.2f} GB/s"
+    )
+    for key, m in load_m.items():
+        print(f"{key}: last loads at {m.get('ucm_load_speed_gbps', 0):.2f} GB/s")
+    if args.json:
+        args.json.write_text(json.dumps({"raw_gbps": raw, "modes": modes, "results": res}))
+    shutil.rmtree(store, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Integrations of UCM into inference engines (:mod:`ucm.integration.vllm`)."""

@@ -1,0 +1,14 @@
+"""UCM for vLLM: the ``UCMConnector`` KV connector and its tooling.
+
+* :mod:`.ucm_connector` -- ``UCMConnector`` (name it with
+  ``kv_connector_module_path="ucm.integration.vllm.ucm_connector"``);
+* :mod:`.scheduler`, :mod:`.worker` -- its two halves; :mod:`.layout` -- where
+  each block of each layer lives in vLLM's KV cache; :mod:`.metadata`;
+* :mod:`.config` -- config sources and priority; :mod:`.store_handle` -- the
+  store, kept usable; :mod:`.stats` -- metrics carried to vLLM's ``/metrics``;
+* :mod:`.cli` -- ``vllm`` CLI that also works with the CPU build;
+  :mod:`.harness`, :mod:`.demo`, :mod:`.tiny_model` -- engines in child
+  processes, the README's main job, random-weight test models.
+
+Importing this package does not import vLLM.
+"""

@@ -1,0 +1,386 @@
+"""Configuration of the vLLM connector.
+
+Three sources, merged key by key with this priority (seed §6.2)::
+
+    environment (UCM_<KEY>)  >  kv_connector_extra_config  >  YAML file  >  defaults
+
+* ``kv_connector_extra_config`` is the inline dict of ``--kv-transfer-config``.
+* The YAML file is named by ``UCM_CONFIG_FILE`` (environment first, then the
+  inline key of that name). Its shape is the seed's::
+
+      ucm_connectors:
+        - ucm_connector_name: UcmPipelineStore
+          ucm_connector_config:
+            store_pipeline: "Cache|Posix"
+            storage_backends: /data/ucm_cache
+      use_layerwise: true
+      metrics_config_path: ./metrics_config.yaml
+      ucm_sparse_config: {...}
+
+* Store keys (``store_pipeline``, ``storage_backends``, ``io_direct``...) may
+  also be given at the top level of any source, or as ``UCM_STORAGE_BACKENDS``
+  etc.; they apply to the first (only) entry of ``ucm_connectors``.
+
+Every value remembers where it came from, so a validation error says e.g.
+``use_layerwise (environment UCM_USE_LAYERWISE): expected a boolean, got 'maybe'``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ucm.hashing import HASH_ALGOS
+from ucm.shared.config import ConfigError, build_dataclass, load_yaml
+from ucm.shared.logging import get_logger
+
+logger = get_logger(__name__)
+
+ENV_PREFIX = "UCM_"
+CONFIG_FILE_KEY = "UCM_CONFIG_FILE"
+DEFAULT_STORE_NAME = "UcmPipelineStore"
+# Store keys the connector derives from the model; users must not set them.
+CONNECTOR_OWNED_STORE_KEYS = ("block_size", "shard_size", "tensor_size", "tensor_size_list")
+# Environment variables with the UCM_ prefix that are not config keys.
+_NON_CONFIG_ENV = {CONFIG_FILE_KEY, "UCM_LOG_PATH", "UCM_LOG_MAX_FILES", "UCM_LOG_MAX_SIZE"}
+
+
+def default_storage_dir() -> str:
+    """Where the embedded default store keeps its blocks."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ucm", "kv")
+
+
+@dataclass
+class UcmConnectorConfig:
+    """Top-level keys (all optional)."""
+
+    ucm_connectors: list[dict[str, Any]] = field(default_factory=list)
+    """Stores: ``[{ucm_connector_name, ucm_connector_config, [ucm_connector_module_path]}]``;
+    exactly one entry. Defaults to ``UcmPipelineStore`` with ``Cache|Posix`` (``Posix`` when
+    the build has no Cache stage) under ``~/.cache/ucm/kv``."""
+    use_layerwise: bool = False
+    """Load layer l+1 while layer l computes, and save per layer (else whole-step)."""
+    hash_algo: str = "blake3"
+    """Block id algorithm: ``blake3``, ``xxh3_128`` or ``md5_ucm`` (original UCM ids)."""
+    hash_salt: str = ""
+    """Extra salt in every block id: deployments with different salts never share blocks."""
+    metrics_config_path: str | None = None
+    """YAML file of metrics options (``enabled``, ``duration_buckets_ms``)."""
+    ucm_sparse_config: dict[str, Any] | None = None
+    """Accepted for compatibility with the seed's YAML; sparse attention is not used here."""
+    load_only_first_rank: bool = False
+    """Accepted for compatibility; ignored (every rank loads its own heads)."""
+    enable_event_sync: bool = True
+    """GPU: order device-to-host copies after the compute stream with an event
+    (else synchronize the device before each save)."""
+    load_failure_policy: str = "recompute"
+    """What vLLM does with blocks that fail to load: ``recompute`` (default) or ``fail``."""
+    layerwise_lookahead: int = 0
+    """Layer-wise mode: how many layers' loads are in flight ahead of the compute; 0 (the
+    default) submits every layer at once (in layer order), which keeps the store busiest.
+    A small number bounds the host staging memory of GPU builds."""
+    min_hit_tokens: int = 0
+    """Ignore external hits shorter than this (tokens)."""
+    prefetch: bool = True
+    """Ask the store to start reading a request's hit blocks as soon as they are
+    found (page-cache read-ahead of whole block files, or a Cache-tier fill),
+    so layer-wise loads find them in memory."""
+    store_retry_interval_s: float = 1.0
+    """After a store failure, first wait before trying the store again (doubles per failure)."""
+    store_retry_max_s: float = 30.0
+    """Longest wait between tries of an unusable store."""
+    warning_interval_s: float = 30.0
+    """At most one warning per this many seconds about an unusable store."""
+    force_host_staging: bool = False
+    """Move KV through host staging buffers even for CPU tensors (as GPU builds do); for tests."""
+
+    def __post_init__(self) -> None:
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError(
+                f"hash_algo: unknown value {self.hash_algo!r}; valid: {', '.join(HASH_ALGOS)}"
+            )
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(
+                f"load_failure_policy: expected 'recompute' or 'fail', got "
+                f"{self.load_failure_policy!r}"
+            )
+        if self.layerwise_lookahead < 0:
+            raise ConfigError(f"layerwise_lookahead: must be >= 0, got {self.layerwise_lookahead}")
+        for name in ("store_retry_interval_s", "store_retry_max_s", "warning_interval_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.min_hit_tokens < 0:
+            raise ConfigError(f"min_hit_tokens: must be >= 0, got {self.min_hit_tokens}")
+
+
+TOP_LEVEL_KEYS = tuple(f.name for f in fields(UcmConnectorConfig))
+
+
+@dataclass
+class StoreSpec:
+    """The store the connector uses: a factory name and its (user) config."""
+
+    name: str
+    config: dict[str, Any]
+    module_path: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each key of ``config`` came from."""
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key, "default")
+
+
+@dataclass
+class ResolvedConfig:
+    """The merged config: top-level keys, the store, and each key's source."""
+
+    connector: UcmConnectorConfig
+    store: StoreSpec
+    sources: dict[str, str]
+    config_file: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def store_keys() -> set[str]:
+    """Keys any built-in store stage accepts (plus ``store_pipeline``)."""
+    from ucm.shared.config import field_names
+    from ucm.store.config import PIPELINE_KEYS, STAGE_CONFIGS
+
+    keys: set[str] = set(PIPELINE_KEYS)
+    for cls in STAGE_CONFIGS.values():
+        keys |= set(field_names(cls))
+    return keys | {"io_direct", "storage_backends"}
+
+
+def cache_stage_available() -> bool:
+    """True when this build composes pipelines with a ``Cache`` stage."""
+    try:
+        from ucm.store.config import STAGE_CONFIGS
+    except ImportError:  # pragma: no cover
+        return False
+    return "Cache" in STAGE_CONFIGS
+
+
+def default_store_config() -> dict[str, Any]:
+    return {
+        "store_pipeline": "Cache|Posix" if cache_stage_available() else "Posix",
+        "storage_backends": default_storage_dir(),
+    }
+
+
+class _Layer:
+    """One source's values: top-level keys and store keys, with its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.top: dict[str, Any] = {}
+        self.store_name: str | None = None
+        self.store_module: str | None = None
+        self.store: dict[str, Any] = {}
+
+
+def _split_source(values: Mapping[str, Any], source: str, skeys: set[str]) -> _Layer:
+    layer = _Layer(source)
+    for key, value in values.items():
+        if key == CONFIG_FILE_KEY:
+            continue
+        if key == "ucm_connectors":
+            if value is None:
+                continue
+            if not isinstance(value, list):
+                raise ConfigError(
+                    f"ucm_connectors ({source}): expected a list of "
+                    f"{{ucm_connector_name, ucm_connector_config}}, got {type(value).__name__}"
+                )
+            if len(value) != 1:
+                raise ConfigError(
+                    f"ucm_connectors ({source}): exactly one store is supported, got {len(value)}"
+                )
+            entry = value[0]
+            if not isinstance(entry, Mapping):
+                raise ConfigError(f"ucm_connectors[0] ({source}): expected a mapping")
+            unknown = set(entry) - {
+                "ucm_connector_name",
+                "ucm_connector_config",
+                "ucm_connector_module_path",
+            }
+            if unknown:
+                raise ConfigError(
+                    f"unknown config key {sorted(unknown)[0]!r} in ucm_connectors[0] ({source}); "
+                    "valid keys: ucm_connector_config, ucm_connector_module_path, "
+                    "ucm_connector_name"
+                )
+            name = entry.get("ucm_connector_name")
+            if name is not None and not isinstance(name, str):
+                raise ConfigError(
+                    f"ucm_connectors[0].ucm_connector_name ({source}): expected a string"
+                )
+            layer.store_name = name
+            layer.store_module = entry.get("ucm_connector_module_path")
+            cfg = entry.get("ucm_connector_config") or {}
+            if not isinstance(cfg, Mapping):
+                raise ConfigError(
+                    f"ucm_connectors[0].ucm_connector_config ({source}): expected a mapping"
+                )
+            layer.store.update(cfg)
+        elif key in TOP_LEVEL_KEYS:
+            layer.top[key] = value
+        elif key in skeys or key in CONNECTOR_OWNED_STORE_KEYS or key == "device_id":
+            layer.store[key] = value
+        else:
+            valid = sorted(set(TOP_LEVEL_KEYS) | skeys)
+            raise ConfigError(
+                f"unknown config key {key!r} ({source}); valid keys: {', '.join(valid)}"
+            )
+    for key in (*CONNECTOR_OWNED_STORE_KEYS, "device_id"):
+        if key in layer.store:
+            raise ConfigError(
+                f"{key} ({source}): set by the connector from the model's KV cache layout; "
+                "remove it from the config"
+            )
+    return layer
+
+
+def _env_layer(env: Mapping[str, str], skeys: set[str]) -> _Layer:
+    values: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    skip = {"ucm_connectors", "ucm_sparse_config", "device_id", *CONNECTOR_OWNED_STORE_KEYS}
+    wanted = {k.upper(): k for k in (*TOP_LEVEL_KEYS, *skeys) if k not in skip}
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX) or var in _NON_CONFIG_ENV:
+            continue
+        key = wanted.get(var[len(ENV_PREFIX) :])
+        if key is None:
+            continue
+        values[key] = raw
+        names[key] = var
+    layer = _split_source(values, "environment", skeys)
+    layer.name = "environment"
+    layer.env_names = names  # type: ignore[attr-defined]
+    return layer
+
+
+def _source_label(layer: _Layer, key: str) -> str:
+    env_names = getattr(layer, "env_names", None)
+    if env_names and key in env_names:
+        return f"environment {env_names[key]}"
+    return layer.name
+
+
+def resolve_config(
+    extra_config: Mapping[str, Any] | None,
+    env: Mapping[str, str] | None = None,
+) -> ResolvedConfig:
+    """Merges the sources and validates every key (raises :class:`ConfigError`)."""
+    env = dict(os.environ if env is None else env)
+    extra = dict(extra_config or {})
+    skeys = store_keys()
+
+    config_file = env.get(CONFIG_FILE_KEY) or extra.get(CONFIG_FILE_KEY)
+    layers: list[_Layer] = []  # lowest priority first
+    if config_file:
+        src = f"YAML {config_file}"
+        data = load_yaml(config_file)
+        layers.append(_split_source(data, src, skeys))
+    layers.append(_split_source(extra, "kv_connector_extra_config", skeys))
+    layers.append(_env_layer(env, skeys))
+
+    # Top-level keys: the highest layer that sets a key wins.
+    top: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for layer in layers:
+        for k, v in layer.top.items():
+            top[k] = v
+            sources[k] = _source_label(layer, k)
+    for k, v in top.items():
+        # Validates each key on its own, so the error names its source.
+        build_dataclass(UcmConnectorConfig, {k: v}, sources[k])
+    connector = build_dataclass(UcmConnectorConfig, top, "config")
+
+    # Store: name from the highest layer naming one; keys merged key by key,
+    # restarting whenever a higher layer names a different store.
+    name = DEFAULT_STORE_NAME
+    module: str | None = None
+    store_cfg: dict[str, Any] = default_store_config()
+    store_src: dict[str, str] = {}
+    for layer in layers:
+        if layer.store_name is not None and layer.store_name != name:
+            name = layer.store_name
+            store_cfg = {} if name != DEFAULT_STORE_NAME else default_store_config()
+            store_src = {}
+        if layer.store_module is not None:
+            module = layer.store_module
+        for k, v in layer.store.items():
+            store_cfg[k] = v
+            store_src[k] = _source_label(layer, k)
+    spec = StoreSpec(name=name, config=store_cfg, module_path=module, sources=store_src)
+
+    metrics: dict[str, Any] = {}
+    if connector.metrics_config_path:
+        metrics = load_yaml(connector.metrics_config_path)
+        unknown = sorted(set(metrics) - {"enabled", "duration_buckets_ms"})
+        if unknown:
+            raise ConfigError(
+                f"unknown config key {unknown[0]!r} (metrics config "
+                f"{connector.metrics_config_path}); valid keys: duration_buckets_ms, enabled"
+            )
+    if connector.ucm_sparse_config:
+        logger.warning(
+            "ucm_sparse_config (%s) is accepted but sparse attention is not used by this "
+            "connector; it is ignored",
+            sources.get("ucm_sparse_config"),
+        )
+    if connector.load_only_first_rank:
+        logger.warning(
+            "load_only_first_rank (%s) is ignored: every rank loads its own KV heads",
+            sources.get("load_only_first_rank"),
+        )
+    return ResolvedConfig(
+        connector=connector,
+        store=spec,
+        sources=sources,
+        config_file=str(config_file) if config_file else None,
+        metrics=metrics,
+    )
+
+
+_KEY_IN_MESSAGE = re.compile(
+    r"^(?:stage \w+: )?(?:unknown config key |missing required config key )?"
+    r"'?([A-Za-z_][\w\[\]]*)'?"
+)
+
+
+def explain_store_error(err: ConfigError, spec: StoreSpec) -> ConfigError:
+    """Adds the source of the offending store key to a store config error."""
+    msg = str(err)
+    m = _KEY_IN_MESSAGE.match(msg)
+    key = m.group(1).split("[")[0] if m else None
+    if key and key in spec.config:
+        where = spec.source_of(key)
+        return ConfigError(f"{msg} [store key {key!r} from {where}]")
+    return ConfigError(f"{msg} [store config of {spec.name}]")
+
+
+def storage_dirs(spec: StoreSpec) -> list[Path]:
+    """The storage directories named by the store config (for creating them)."""
+    raw = spec.config.get("storage_backends")
+    if raw is None:
+        return []
+    parts = [p for p in raw.split(":") if p] if isinstance(raw, str) else [str(p) for p in raw]
+    return [Path(p).expanduser() for p in parts]
+
+
+__all__ = [
+    "CONFIG_FILE_KEY",
+    "ResolvedConfig",
+    "StoreSpec",
+    "UcmConnectorConfig",
+    "default_storage_dir",
+    "explain_store_error",
+    "resolve_config",
+]

@@ -1,0 +1,40 @@
+"""What the scheduler side tells the workers each step (picklable, no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ReqTransfer:
+    """One request's transfers in one step. Ids are the rank-0 store keys;
+    ``*_blocks`` are the vLLM block ids (same length)."""
+
+    req_id: str
+    load_ids: list[bytes] = field(default_factory=list)
+    load_blocks: list[int] = field(default_factory=list)
+    save_ids: list[bytes] = field(default_factory=list)
+    save_blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    """The step's plan: loads and saves per request, and the requests whose
+    blocks vLLM freed this step (their pending saves must finish first)."""
+
+    requests: list[ReqTransfer] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    num_scheduled_tokens: int = 0
+
+    @property
+    def has_loads(self) -> bool:
+        return any(r.load_ids for r in self.requests)
+
+    @property
+    def has_saves(self) -> bool:
+        return any(r.save_ids for r in self.requests)
+
+
+__all__ = ["ReqTransfer", "UCMConnectorMetadata"]

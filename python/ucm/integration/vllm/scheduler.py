@@ -1,0 +1,395 @@
+"""Scheduler side of the connector (runs in vLLM's engine-core process).
+
+Per request it hashes the full blocks of the tokens (Rust hasher), asks the
+store for the longest stored prefix beyond vLLM's own prefix-cache hit, and
+then, step by step, tells the workers which blocks to load (once, in the
+request's first step) and which newly computed full blocks to save.
+
+A request's blocks fall into::
+
+    [0, local)            vLLM's prefix cache has them (saved too if the store lacks them)
+    [local, local+ext)    found in the store: loaded by the workers
+    [local+ext, ...)      computed by vLLM: saved once full (prompt blocks)
+
+Saves are asynchronous: :meth:`request_finished` keeps a request's blocks
+alive (returns True) when saves were planned for it, until every worker
+reports them done through ``get_finished``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ucm.hashing import block_ids
+from ucm.integration.vllm.config import ResolvedConfig
+from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
+from ucm.integration.vllm.store_handle import StoreHandle, build_store_config
+from ucm.shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class KVGeometry:
+    """What both sides agree on without seeing the tensors."""
+
+    block_size: int  # tokens per block
+    shard_bytes: int  # bytes of one block of one layer
+    num_layers: int  # attention layers of the whole model (shards per store block)
+    meta: str  # hash meta: model, dtype, TP size, KV layout, block size
+    is_mla: bool
+    tp_size: int
+
+    @property
+    def block_bytes(self) -> int:
+        return self.shard_bytes * self.num_layers
+
+    def scheduler_store_keys(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_bytes,
+            "shard_size": self.shard_bytes,
+            "tensor_size_list": [self.shard_bytes],
+        }
+
+
+def kv_geometry(vllm_config: Any, kv_cache_config: Any, cfg: ResolvedConfig) -> KVGeometry:
+    """Derives the geometry and hash meta from vLLM's configs (both roles)."""
+    from vllm.platforms import current_platform
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"UCMConnector supports models with one KV cache group; this one has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    shard = int(getattr(spec, "unpadded_page_size_bytes", None) or spec.page_size_bytes)
+    mc = vllm_config.model_config
+    try:
+        n_layers = int(mc.get_total_num_hidden_layers())
+    except Exception:  # pragma: no cover - older configs
+        n_layers = int(mc.hf_text_config.num_hidden_layers)
+    n_layers = max(n_layers, len(groups[0].layer_names))
+    is_mla = bool(getattr(mc, "use_mla", False))
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    layout = vllm_config.cache_config.kv_cache_layout or "default"
+    heads = getattr(spec, "num_kv_heads", 0)
+    head_size = getattr(spec, "head_size", 0)
+    head_size_v = getattr(spec, "head_size_v", head_size)
+    kv = (
+        f"{current_platform.device_type}:{layout}:{type(spec).__name__}:"
+        f"h{heads}:d{head_size}/{head_size_v}:p{shard}"
+    )
+    bs = int(vllm_config.cache_config.block_size)
+    meta = (
+        f"ucm-vllm-v1|model={mc.model}|dtype={mc.dtype}|tp={1 if is_mla else tp}|kv={kv}|block={bs}"
+    )
+    return KVGeometry(
+        block_size=bs, shard_bytes=shard, num_layers=n_layers, meta=meta, is_mla=is_mla, tp_size=tp
+    )
+
+
+@dataclass
+class _ReqState:
+    req_id: str
+    ids: list[bytes]
+    local_blocks: int
+    ext_blocks: int
+    save_limit: int  # blocks that may be saved (full blocks of the known tokens)
+    saved_upto: int  # next block index to save
+    save_extra: list[int] = field(default_factory=list)  # local blocks the store lacks
+    pending_load: tuple[int, int] | None = None
+    last_load: tuple[int, int] | None = None
+
+
+class UCMSchedulerSide:
+    """Lookups and the per-step transfer plan."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        cfg: ResolvedConfig,
+        geom: KVGeometry,
+        *,
+        load: bool = True,
+        save: bool = True,
+    ) -> None:
+        # kv_role: kv_both loads and saves; kv_consumer only loads; kv_producer only saves.
+        self.load_enabled = load
+        self.save_enabled = save
+        self.cfg = cfg
+        self.geom = geom
+        self.block_size = geom.block_size
+        c = cfg.connector
+        store_cfg = build_store_config(cfg.store, geom.scheduler_store_keys(), device_id=-1)
+        self.store = StoreHandle(
+            cfg.store,
+            store_cfg,
+            role="scheduler",
+            retry_interval_s=c.store_retry_interval_s,
+            retry_max_s=c.store_retry_max_s,
+            warning_interval_s=c.warning_interval_s,
+            create_dirs=True,
+        )
+        self.stats = StatsCollector()
+        self._reqs: dict[str, _ReqState] = {}
+        self._hashes: dict[str, tuple[int, list[bytes]]] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}  # req -> (local_blocks, ext_blocks)
+        self._reqs_with_saves: set[str] = set()
+        self._kv_cache_manager: Any = None
+        self._errors_reported = 0
+        # Open now, before any worker in this process writes: the Posix
+        # store's start-up scan treats temporaries of its own PID as stale.
+        self.store.get()
+
+    # -- hashing & lookup ------------------------------------------------------
+    def _meta_for(self, request: Request) -> str | None:
+        """The hash meta of a request, or None when its KV can't be keyed by tokens."""
+        if (
+            getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
+            return None
+        meta = self.geom.meta
+        if self.cfg.connector.hash_salt:
+            meta += f"|salt={self.cfg.connector.hash_salt}"
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            meta += f"|lora={getattr(lora, 'lora_name', lora)}"
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            meta += f"|cache_salt={salt}"
+        return meta
+
+    def _ids(self, request: Request) -> list[bytes] | None:
+        n = request.num_tokens
+        memo = self._hashes.get(request.request_id)
+        if memo is not None and memo[0] == n:
+            return memo[1]
+        meta = self._meta_for(request)
+        if meta is None:
+            return None
+        tokens = np.fromiter(request.all_token_ids, dtype=np.int64, count=n)
+        ids = block_ids(tokens, self.block_size, meta, self.cfg.connector.hash_algo)
+        self._hashes[request.request_id] = (n, ids)
+        return ids
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        B = self.block_size
+        local = num_computed_tokens // B
+        self._lookups[request.request_id] = (local, 0)
+        ids = self._ids(request)
+        if not ids or local >= len(ids) or not self.load_enabled:
+            return 0, False
+        store = self.store.get()
+        if store is None:
+            return 0, False
+        try:
+            ext = store.lookup_on_prefix(ids[local:]) + 1
+        except Exception as e:
+            self.store.report_failure(e, "lookup")
+            return 0, False
+        self.store.report_success()
+        ext_tokens = ext * B
+        if local * B + ext_tokens >= request.num_tokens:
+            # vLLM must compute at least one token: recompute the last one.
+            ext_tokens = request.num_tokens - 1 - local * B
+        if ext_tokens <= 0 or ext_tokens < self.cfg.connector.min_hit_tokens:
+            ext, ext_tokens = 0, 0
+        self._lookups[request.request_id] = (local, ext)
+        if ext_tokens:
+            logger.debug(
+                "UCM lookup of request %s: %d local block(s), %d in the store (%d tokens)",
+                request.request_id,
+                local,
+                ext,
+                ext_tokens,
+            )
+        return ext_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        B = self.block_size
+        req_id = request.request_id
+        ids = self._ids(request)
+        lookup = self._lookups.pop(req_id, None)
+        if ids is None:
+            return
+        if lookup is not None:
+            local_blocks = lookup[0]
+        else:  # not looked up (e.g. a resumed request): trust vLLM's count
+            local_blocks = max(0, request.num_computed_tokens - num_external_tokens) // B
+        ext_blocks = -(-num_external_tokens // B) if num_external_tokens > 0 else 0
+        st = _ReqState(
+            req_id=req_id,
+            ids=ids,
+            local_blocks=local_blocks,
+            ext_blocks=ext_blocks,
+            save_limit=len(ids) if self.save_enabled else 0,
+            saved_upto=local_blocks + ext_blocks,
+        )
+        if ext_blocks:
+            st.pending_load = (local_blocks, local_blocks + ext_blocks)
+            if self.cfg.connector.prefetch:
+                store = self.store.get()
+                try:
+                    if store is not None:
+                        store.prefetch(ids[local_blocks : local_blocks + ext_blocks])
+                except Exception as e:  # only a hint
+                    logger.debug("UCM prefetch failed: %s", e)
+        # Blocks vLLM holds but the store lacks (a store that was unusable, wiped
+        # or evicted): save them too, so another engine finds the whole prefix.
+        if local_blocks and self.save_enabled:
+            store = self.store.get()
+            if store is not None:
+                try:
+                    present = store.lookup(ids[:local_blocks])
+                    st.save_extra = [i for i, p in enumerate(present) if not p]
+                except Exception as e:
+                    self.store.report_failure(e, "lookup")
+        self._reqs[req_id] = st
+        looked = request.num_tokens - local_blocks * B
+        if looked > 0:
+            self.stats.add(lookup_tokens=looked, lookup_hit_tokens=num_external_tokens)
+
+    # -- per-step plan -----------------------------------------------------------
+    def _vllm_blocks(self, req_id: str, fallback: list[int] | None) -> list[int] | None:
+        if self._kv_cache_manager is not None:
+            try:
+                return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+            except Exception:  # pragma: no cover - request not known to the manager
+                pass
+        return fallback
+
+    def _plan(
+        self, req_id: str, computed: int, scheduled: int, fallback: list[int] | None
+    ) -> ReqTransfer | None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        B = self.block_size
+        load = st.pending_load
+        upto = min((computed + scheduled) // B, st.save_limit)
+        save_idx = list(st.save_extra)
+        if upto > st.saved_upto:
+            save_idx.extend(range(st.saved_upto, upto))
+        if load is None and not save_idx:
+            return None
+        vblocks = self._vllm_blocks(req_id, fallback)
+        if vblocks is None:
+            return None
+        t = ReqTransfer(req_id=req_id)
+        if load is not None:
+            a, b = load
+            b = min(b, len(vblocks))
+            t.load_ids = st.ids[a:b]
+            t.load_blocks = vblocks[a:b]
+            st.pending_load = None
+            st.last_load = (a, b)
+        save_idx = [i for i in save_idx if i < len(vblocks)]
+        if save_idx:
+            t.save_ids = [st.ids[i] for i in save_idx]
+            t.save_blocks = [vblocks[i] for i in save_idx]
+            self._reqs_with_saves.add(req_id)
+        st.save_extra = []
+        st.saved_upto = max(st.saved_upto, upto)
+        return t
+
+    def build_connector_meta(self, so: SchedulerOutput) -> UCMConnectorMetadata:
+        meta = UCMConnectorMetadata(num_scheduled_tokens=so.total_num_scheduled_tokens)
+        for st in self._reqs.values():
+            st.last_load = None
+        for new in so.scheduled_new_reqs:
+            t = self._plan(
+                new.req_id,
+                new.num_computed_tokens,
+                so.num_scheduled_tokens.get(new.req_id, 0),
+                list(new.block_ids[0]) if new.block_ids else None,
+            )
+            if t is not None:
+                meta.requests.append(t)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._plan(
+                req_id,
+                cached.num_computed_tokens[i],
+                so.num_scheduled_tokens.get(req_id, 0),
+                None,
+            )
+            if t is not None:
+                meta.requests.append(t)
+        preempted = set(so.preempted_req_ids or ())
+        if preempted:
+            meta.preempted_req_ids = preempted
+            scheduled = {r.req_id for r in so.scheduled_new_reqs} | set(cached.req_ids)
+            for req_id in preempted - scheduled:
+                # Rebuilt by the lookup when the request is scheduled again.
+                self._reqs.pop(req_id, None)
+                self._hashes.pop(req_id, None)
+        for req_id in so.finished_req_ids:
+            self._reqs.pop(req_id, None)
+            self._hashes.pop(req_id, None)
+            self._lookups.pop(req_id, None)
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        stats = getattr(output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None) or {}
+        if data.get("load_store_errors"):
+            # The workers can't read the store (not just one bad block): stop
+            # promising hits until the back-off expires.
+            self.store.report_failure(
+                RuntimeError("the workers could not load from the store"), "load"
+            )
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        if not invalid:
+            return
+        # Blocks that failed to load are recomputed by vLLM: save them again.
+        for st in self._reqs.values():
+            if st.last_load is None:
+                continue
+            vblocks = self._vllm_blocks(st.req_id, None) or []
+            a, b = st.last_load
+            for i in range(a, min(b, len(vblocks))):
+                if vblocks[i] in invalid:
+                    st.saved_upto = min(st.saved_upto, i)
+                    break
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        req_id = request.request_id
+        self._reqs.pop(req_id, None)
+        self._hashes.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        if req_id in self._reqs_with_saves:
+            self._reqs_with_saves.discard(req_id)
+            # Saves may still be reading these blocks: free them when every
+            # worker reports the request in get_finished().
+            return True, None
+        return False, None
+
+    def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
+        data = self.stats.take()
+        errors = self.store.errors - self._errors_reported
+        if errors:
+            data["store_errors"] = errors
+            self._errors_reported = self.store.errors
+        if data or not self.store.healthy:
+            data["store_healthy"] = int(self.store.healthy)
+        return UCMKVConnectorStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        self.store.close()
+
+
+__all__ = ["KVGeometry", "UCMSchedulerSide", "kv_geometry"]

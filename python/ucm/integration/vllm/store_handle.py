@@ -1,0 +1,197 @@
+"""The connector's store, kept usable: opened lazily, retried with back-off.
+
+Serving must never stop because the store did (directory gone, disk full,
+read-only, server down). :class:`StoreHandle` turns every store failure into
+"no caching for a while": :meth:`get` returns ``None`` until the back-off
+expires, a warning is logged at most every ``warning_interval_s``, and the
+first success after a failure logs that caching resumed. Config errors are
+the exception: they are raised at start-up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ucm.integration.vllm.config import (
+    ConfigError,
+    StoreSpec,
+    explain_store_error,
+    storage_dirs,
+)
+from ucm.shared.logging import get_logger
+from ucm.store import UcmConnectorFactory, UcmKVStoreBase
+
+logger = get_logger(__name__)
+
+# Store errors that concern one block, not the store's health.
+BLOCK_LEVEL_ERRORS = ("CorruptBlockError", "BlockNotFoundError")
+
+
+def is_block_level(err: BaseException) -> bool:
+    return type(err).__name__ in BLOCK_LEVEL_ERRORS
+
+
+def build_store_config(
+    spec: StoreSpec, layout_keys: dict[str, Any], device_id: int
+) -> dict[str, Any]:
+    """The user's store config plus the keys derived from the model, validated
+    up front for the built-in pipeline store (errors name the key's source)."""
+    cfg = dict(spec.config)
+    cfg.update(layout_keys)
+    cfg["device_id"] = device_id
+    if spec.name == "UcmPipelineStore":
+        from ucm.store.config import PipelineStoreConfig
+
+        # Keys of ours or of the defaults that a user-chosen pipeline doesn't
+        # take are dropped (e.g. storage_backends under store_pipeline: Empty).
+        for _ in range(len(cfg)):
+            try:
+                PipelineStoreConfig.from_dict(cfg, source="ucm store config")
+                break
+            except ConfigError as e:
+                msg = str(e)
+                dropped = False
+                if msg.startswith("unknown config key"):
+                    key = msg.split("'")[1]
+                    ours = key in layout_keys or key == "device_id"
+                    default = key in spec.config and spec.source_of(key) == "default"
+                    if key in cfg and (ours or default):
+                        del cfg[key]
+                        dropped = True
+                if not dropped:
+                    raise explain_store_error(e, spec) from None
+        if device_id < 0 and "posix_spare_files" not in cfg:
+            # A lookup-only store never writes: no pre-allocated spare files.
+            try:
+                PipelineStoreConfig.from_dict({**cfg, "posix_spare_files": 0})
+                cfg["posix_spare_files"] = 0
+            except ConfigError:
+                pass
+    return cfg
+
+
+class StoreHandle:
+    """Opens ``spec`` on first use and tracks whether the store is usable."""
+
+    def __init__(
+        self,
+        spec: StoreSpec,
+        store_config: dict[str, Any],
+        *,
+        role: str,
+        retry_interval_s: float = 1.0,
+        retry_max_s: float = 30.0,
+        warning_interval_s: float = 30.0,
+        create_dirs: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.store_config = store_config
+        self.role = role
+        self.retry_interval_s = retry_interval_s
+        self.retry_max_s = max(retry_max_s, retry_interval_s)
+        self.warning_interval_s = warning_interval_s
+        self.create_dirs = create_dirs
+        self._lock = threading.Lock()
+        self._store: UcmKVStoreBase | None = None
+        self._healthy = True
+        self._next_try = 0.0
+        self._backoff = retry_interval_s
+        self._last_warning = -1e18
+        self._suppressed = 0
+        self.errors = 0
+        self.failures_since_ok = 0
+        if spec.module_path:
+            try:
+                UcmConnectorFactory.register_connector(spec.name, spec.module_path, spec.name)
+            except ValueError:
+                pass  # already registered
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def opened(self) -> UcmKVStoreBase | None:
+        """The open store, whatever its health (for waiting on submitted tasks)."""
+        return self._store
+
+    def get(self) -> UcmKVStoreBase | None:
+        """The store, or ``None`` while it is unusable (back-off not expired)."""
+        if self._healthy and self._store is not None:
+            return self._store
+        now = time.monotonic()
+        with self._lock:
+            if not self._healthy and now < self._next_try:
+                return None
+            if self._store is None:
+                try:
+                    self._store = self._open()
+                except Exception as e:  # any failure to open: retry later
+                    self._fail_locked(e, "open")
+                    return None
+            return self._store
+
+    def _open(self) -> UcmKVStoreBase:
+        if self.create_dirs:
+            for d in storage_dirs(self.spec):
+                d.mkdir(parents=True, exist_ok=True)
+        return UcmConnectorFactory.create_connector(self.spec.name, self.store_config)
+
+    # -- reports -------------------------------------------------------------
+    def report_failure(self, err: BaseException, what: str) -> None:
+        with self._lock:
+            self._fail_locked(err, what)
+
+    def _fail_locked(self, err: BaseException, what: str) -> None:
+        self.errors += 1
+        self.failures_since_ok += 1
+        now = time.monotonic()
+        if self._healthy:
+            self._backoff = self.retry_interval_s
+        else:
+            self._backoff = min(self._backoff * 2, self.retry_max_s)
+        self._healthy = False
+        self._next_try = now + self._backoff
+        if now - self._last_warning >= self.warning_interval_s:
+            extra = f" ({self._suppressed} similar failures not shown)" if self._suppressed else ""
+            logger.warning(
+                "UCM store %s (%s) failed during %s: %s; serving continues without "
+                "caching, next try in %.1fs%s",
+                self.spec.name,
+                self.role,
+                what,
+                err,
+                self._backoff,
+                extra,
+            )
+            self._last_warning = now
+            self._suppressed = 0
+        else:
+            self._suppressed += 1
+
+    def report_success(self) -> None:
+        if self._healthy and self.failures_since_ok == 0:
+            return
+        with self._lock:
+            if not self._healthy:
+                logger.warning(
+                    "UCM store %s (%s) is usable again; caching resumed", self.spec.name, self.role
+                )
+            self._healthy = True
+            self.failures_since_ok = 0
+            self._backoff = self.retry_interval_s
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.close()
+            except Exception as e:  # pragma: no cover - best effort at shutdown
+                logger.debug("closing the UCM store failed: %s", e)
+
+
+__all__ = ["StoreHandle", "build_store_config", "is_block_level"]

@@ -1,0 +1,304 @@
+"""``UCMConnector``: prefix KV-cache offload and reuse for vLLM through UCM stores.
+
+Use it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm.integration.vllm.ucm_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"storage_backends": "/data/ucm"}}'
+
+Every later request that shares a prefix with anything served before (by
+this engine or another one using the same store) loads those blocks instead
+of computing them. Configuration: :mod:`ucm.integration.vllm.config`.
+
+The class is a thin facade (vLLM's own connectors are built the same way):
+the scheduler half lives in :mod:`.scheduler`, the worker half in
+:mod:`.worker`. Supported: the vLLM 0.32-0.33 KV connector API, CPU and GPU
+builds.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+"""vLLM minor versions whose connector API this module implements."""
+ALLOW_UNSUPPORTED_ENV = "UCM_ALLOW_UNSUPPORTED_VLLM"
+
+
+def _parse_version(v: str) -> tuple[int, int] | None:
+    parts = v.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raises ``RuntimeError`` unless the installed vLLM is a supported one."""
+    if version is None:
+        try:
+            import vllm
+
+            version = vllm.__version__
+        except ImportError as e:  # pragma: no cover - vLLM missing
+            raise RuntimeError("UCMConnector needs vLLM (0.32 or 0.33); it is not installed") from e
+    mm = _parse_version(version)
+    if mm in SUPPORTED_VLLM or os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
+        return
+    supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
+    raise RuntimeError(
+        f"UCMConnector supports vLLM {supported}; the installed vLLM is {version}. "
+        f"Install a supported vLLM (e.g. `pip install vllm==0.33.*`), or set "
+        f"{ALLOW_UNSUPPORTED_ENV}=1 to try anyway."
+    )
+
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError as _e:  # pragma: no cover - API moved
+    import vllm as _vllm
+
+    check_vllm_version(getattr(_vllm, "__version__", "unknown"))
+    raise RuntimeError(
+        f"UCMConnector: this vLLM ({getattr(_vllm, '__version__', '?')}) lacks the v1 KV "
+        f"connector API: {_e}"
+    ) from _e
+
+from ucm.integration.vllm.config import resolve_config  # noqa: E402
+from ucm.integration.vllm.metadata import UCMConnectorMetadata  # noqa: E402
+from ucm.integration.vllm.scheduler import UCMSchedulerSide, kv_geometry  # noqa: E402
+from ucm.integration.vllm.stats import UCMKVConnectorStats, UCMPromMetrics  # noqa: E402
+from ucm.shared.logging import get_logger  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from ucm.integration.vllm.worker import UCMWorkerSide
+
+logger = get_logger(__name__)
+
+
+class UCMConnector(KVConnectorBase_V1):
+    """Prefix KV cache offload and reuse through a UCM store."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        check_vllm_version()
+        if kv_cache_config is None:
+            raise RuntimeError("UCMConnector needs the kv_cache_config argument (vLLM >= 0.32)")
+        super().__init__(vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise RuntimeError(
+                "UCMConnector does not support pipeline parallelism yet: stages would write "
+                "different shards of the same block from different processes"
+            )
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.ucm_config = resolve_config(extra)
+        self.geometry = kv_geometry(vllm_config, kv_cache_config, self.ucm_config)
+        self._scheduler: UCMSchedulerSide | None = None
+        self._worker: UCMWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM's default ("fail") would fail a request whenever a block
+            # can't be loaded; a cache miss must only cost a recompute.
+            self._kv_transfer_config.kv_load_failure_policy = (
+                self.ucm_config.connector.load_failure_policy
+            )
+            self._scheduler = UCMSchedulerSide(
+                vllm_config,
+                kv_cache_config,
+                self.ucm_config,
+                self.geometry,
+                load=self._kv_transfer_config.is_kv_consumer,
+                save=self._kv_transfer_config.is_kv_producer,
+            )
+        else:
+            from ucm.integration.vllm.worker import UCMWorkerSide
+
+            self._worker = UCMWorkerSide(
+                vllm_config, kv_cache_config, self.ucm_config, self.geometry
+            )
+        logger.info(
+            "UCMConnector (%s): store %s %s, %s mode, block %d tokens, hash %s",
+            role.name.lower(),
+            self.ucm_config.store.name,
+            self.ucm_config.store.config.get("store_pipeline", ""),
+            "layer-wise" if self.ucm_config.connector.use_layerwise else "whole-step",
+            self.geometry.block_size,
+            self.ucm_config.connector.hash_algo,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to preemption is only a future miss.
+        return False
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, UCMConnectorMetadata):
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, UCMConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: Any,
+        **kwargs: Any,
+    ) -> None:
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.get_kv_connector_stats()
+        if self._scheduler is not None:
+            return self._scheduler.get_kv_connector_stats()
+        return None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler._kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ==============================
+    # Class-level hooks
+    # ==============================
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise hooks run between attention layers: CUDA graphs must
+        # leave them out (piecewise capture).
+        try:
+            return resolve_config(extra_config).connector.use_layerwise
+        except Exception:
+            return False
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> UCMKVConnectorStats | None:
+        return UCMKVConnectorStats(data=dict(data)) if data is not None else UCMKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> UCMPromMetrics | None:
+        extra = {}
+        if vllm_config.kv_transfer_config is not None:
+            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        try:
+            mcfg = resolve_config(extra).metrics
+        except Exception as e:  # the engine reports config errors itself
+            logger.warning("UCM metrics disabled: %s", e)
+            return None
+        if not mcfg.get("enabled", True):
+            return None
+        return UCMPromMetrics(
+            vllm_config,
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+            buckets_ms=mcfg.get("duration_buckets_ms"),
+        )
+
+
+__all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_vllm_version"]

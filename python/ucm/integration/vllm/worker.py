@@ -1,0 +1,706 @@
+"""Worker side of the connector (runs where the KV cache lives).
+
+Loads go straight from the store into vLLM's paged KV cache and saves
+straight out of it (zero-copy: the store reads and writes the cache's
+memory). On a GPU the KV cache is device memory, which the store can't
+address, so transfers go through host staging buffers (:class:`HostStaging`).
+
+Modes:
+
+* whole-step (``use_layerwise: false``): ``start_load_kv`` loads every layer
+  of the step's hits and waits; ``wait_for_save`` submits the step's saves.
+* layer-wise: ``start_load_kv`` submits the first ``layerwise_lookahead``
+  layers; ``wait_for_layer_load(l)`` waits for layer l and submits layer
+  l + lookahead, so loading overlaps the compute of earlier layers;
+  ``save_kv_layer(l)`` submits layer l's saves right after its attention.
+
+Either way one store block holds one shard per layer, so the two modes read
+each other's blocks. Saves never block the forward pass: a reaper thread
+waits for them, and requests whose saves are in flight are reported through
+``get_finished`` only when they completed (vLLM keeps their blocks until then).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ucm.integration.vllm.config import ResolvedConfig
+from ucm.integration.vllm.layout import KVLayout, build_layout
+from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import KVGeometry
+from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
+from ucm.integration.vllm.store_handle import StoreHandle, build_store_config, is_block_level
+from ucm.shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from ucm.store import Task, UcmKVStoreBase
+
+logger = get_logger(__name__)
+
+
+def rank_keys(ids: list[bytes], rank: int) -> list[bytes]:
+    """Store keys of TP rank ``rank`` (rank 0 uses the scheduler's ids as is)."""
+    if rank == 0:
+        return ids
+    salt = b"ucm-tp-rank:" + rank.to_bytes(4, "little")
+    return [hashlib.blake2b(i + salt, digest_size=16).digest() for i in ids]
+
+
+def _layer_index(name: str) -> int:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return int(extract_layer_index(name))
+    except Exception:
+        digits = [int(p) for p in name.split(".") if p.isdigit()]
+        if len(digits) != 1:
+            raise ValueError(f"can't tell the layer index of KV cache {name!r}") from None
+        return digits[0]
+
+
+class StoreUnusable(Exception):
+    """The store was unusable when a transfer was due."""
+
+
+class HostStaging:
+    """Moves blocks between a device KV cache and host buffers (GPU builds).
+
+    The copies are issued on the current (compute) stream, so they are
+    ordered after the attention that wrote the KV (saves) and before the
+    attention that reads it (loads) without extra synchronization.
+    """
+
+    def __init__(self, layout: KVLayout, event_sync: bool) -> None:
+        import torch
+
+        self.layout = layout
+        self.device = layout.layers[0].tensor.device
+        self.is_cuda = self.device.type == "cuda"
+        self.pin = self.is_cuda and torch.cuda.is_available()
+        self.event_sync = event_sync
+
+    def alloc(self, n_layers: int, n_blocks: int) -> tuple[Any, np.ndarray]:
+        """A ``[n_layers, n_blocks, runs, run_bytes]`` host buffer and its run addresses."""
+        import torch
+
+        lay = self.layout
+        buf = torch.empty(
+            (n_layers, n_blocks, lay.runs, lay.run_bytes), dtype=torch.uint8, pin_memory=self.pin
+        )
+        base = np.uint64(buf.data_ptr())
+        k = np.arange(n_layers * n_blocks * lay.runs, dtype=np.uint64).reshape(-1, lay.runs)
+        return buf, base + k * np.uint64(lay.run_bytes)
+
+    def gather(self, layer_pos: list[int], blocks: list[int]) -> tuple[Any, np.ndarray, Any]:
+        """Copies ``blocks`` of these layers to a new host buffer; returns it,
+        its addresses and an event to wait on before reading it (or None)."""
+        import torch
+
+        buf, addrs = self.alloc(len(layer_pos), len(blocks))
+        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        for li, pos in enumerate(layer_pos):
+            for r, view in enumerate(self.layout.layers[pos].run_views):
+                buf[li, :, r].copy_(view.index_select(0, idx), non_blocking=self.pin)
+        event = None
+        if self.is_cuda:
+            if self.event_sync:
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                torch.cuda.synchronize(self.device)
+        return buf, addrs, event
+
+    def scatter(self, buf: Any, layer_pos: list[int], blocks: list[int]) -> None:
+        """Copies a host buffer filled by a load into the KV cache."""
+        import torch
+
+        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        for li, pos in enumerate(layer_pos):
+            for r, view in enumerate(self.layout.layers[pos].run_views):
+                src = buf[li, :, r]
+                if self.is_cuda:
+                    src = src.to(self.device, non_blocking=self.pin)
+                view.index_copy_(0, idx, src)
+
+
+@dataclass
+class _Load:
+    """One submitted load: a request's blocks for some layers."""
+
+    task: Task | None
+    store: UcmKVStoreBase | None
+    req_idx: int
+    layer_pos: list[int]
+    host: Any = None  # staging buffer
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    t0: float = 0.0
+
+
+@dataclass
+class _Save:
+    """One save task: a request's blocks for some layers."""
+
+    task: Task | None
+    store: UcmKVStoreBase
+    req_id: str
+    blocks: int  # vLLM blocks completed by this task (0 for non-final layers)
+    nbytes: int
+    t0: float
+    ids: list[bytes] = field(default_factory=list)
+    shard_idx: Any = None
+    addrs: Any = None
+    keepalive: Any = None  # staging buffer
+    event: Any = None  # device event the copy into the staging buffer records
+    error: BaseException | None = None
+
+
+class UCMWorkerSide:
+    """Loads and saves one worker's KV cache."""
+
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, cfg: ResolvedConfig, geom: KVGeometry
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.cfg = cfg
+        self.geom = geom
+        self.layerwise = cfg.connector.use_layerwise
+        self.lookahead = cfg.connector.layerwise_lookahead or 1 << 30
+        try:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+            self.tp_size = get_tensor_model_parallel_world_size()
+        except Exception:
+            self.tp_rank, self.tp_size = 0, 1
+        # MLA: every rank holds the same latent KV: all load rank 0's keys,
+        # only rank 0 writes them.
+        self.key_rank = 0 if geom.is_mla else self.tp_rank
+        self.is_writer = not geom.is_mla or self.tp_rank == 0
+        self.layout: KVLayout | None = None
+        self.store: StoreHandle | None = None
+        self.staging: HostStaging | None = None
+        self.stats = StatsCollector()
+        self._layer_pos: dict[str, int] = {}
+        self._meta: UCMConnectorMetadata | None = None
+        # Load state of the current step.
+        self._load_reqs: list[tuple[str, list[bytes], list[int]]] = []
+        self._loads_by_layer: dict[int, list[_Load]] = defaultdict(list)
+        self._loads_pending = 0
+        self._load_next = 0
+        self._load_errors: set[int] = set()
+        self._load_failed_reqs: set[int] = set()
+        # Save state.
+        self._save_plan: list[tuple[str, list[bytes], list[int]]] = []
+        self._cv = threading.Condition()
+        self._pending: dict[str, int] = defaultdict(int)
+        self._save_reqs: set[str] = set()
+        self._finishing: set[str] = set()
+        self._inflight = 0
+        self._io_inflight: dict[str, int] = {"load": 0, "save": 0}
+        self._io_since: dict[str, float] = {"load": 0.0, "save": 0.0}
+        self._load_q: queue.Queue[_Load | None] = queue.Queue()
+        self._load_waiter: threading.Thread | None = None
+        self._reap_q: queue.Queue[_Save | None] = queue.Queue()
+        self._reaper: threading.Thread | None = None
+        self._stage_q: queue.Queue[_Save | None] = queue.Queue()
+        self._stager: threading.Thread | None = None
+        self._closed = False
+        self._errors_reported = 0
+        self._step_t0 = 0.0
+
+    # -- registration ----------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        c = self.cfg.connector
+        lay = build_layout(
+            kv_caches,
+            self.kv_cache_config.num_blocks,
+            _layer_index,
+            self.geom.num_layers,
+            with_views=True,
+        )
+        if lay.shard_bytes != self.geom.shard_bytes:
+            raise ValueError(
+                f"KV cache layout mismatch: {lay.runs} runs of {lay.run_bytes} bytes per block "
+                f"per layer, but the KV cache spec says {self.geom.shard_bytes} bytes"
+            )
+        self.layout = lay
+        self._layer_pos = lay.layer_by_name()
+        if lay.device_type != "cpu" or c.force_host_staging:
+            self.staging = HostStaging(lay, c.enable_event_sync)
+        store_cfg = build_store_config(
+            self.cfg.store,
+            {
+                "block_size": lay.block_bytes,
+                "shard_size": lay.shard_bytes,
+                "tensor_size_list": lay.tensor_size_list,
+            },
+            device_id=max(self.tp_rank, 0),
+        )
+        self.store = StoreHandle(
+            self.cfg.store,
+            store_cfg,
+            role=f"worker rank {self.tp_rank}",
+            retry_interval_s=c.store_retry_interval_s,
+            retry_max_s=c.store_retry_max_s,
+            warning_interval_s=c.warning_interval_s,
+            create_dirs=True,
+        )
+        self.store.get()  # open now (failures are retried later)
+        self._reaper = threading.Thread(target=self._reap_loop, name="ucm-save-reaper", daemon=True)
+        self._reaper.start()
+        self._load_waiter = threading.Thread(
+            target=self._load_wait_loop, name="ucm-load-waiter", daemon=True
+        )
+        self._load_waiter.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (w := ref()) is not None and w.shutdown())
+        logger.info(
+            "UCM worker rank %d: %d layers, %d run(s) of %d bytes per block per layer, "
+            "%s mode, store %s %s",
+            self.tp_rank,
+            len(lay.layers),
+            lay.runs,
+            lay.run_bytes,
+            "layer-wise" if self.layerwise else "whole-step",
+            self.cfg.store.name,
+            self.cfg.store.config.get("store_pipeline", ""),
+        )
+
+    # -- metadata --------------------------------------------------------------
+    def bind(self, meta: UCMConnectorMetadata) -> None:
+        self._meta = meta
+        self._save_plan = []
+        self._load_reqs = []
+        for t in meta.requests:
+            if t.save_ids:
+                with self._cv:
+                    self._save_reqs.add(t.req_id)
+                self._save_plan.append(
+                    (t.req_id, rank_keys(t.save_ids, self.key_rank), t.save_blocks)
+                )
+            if t.load_ids:
+                self._load_reqs.append(
+                    (t.req_id, rank_keys(t.load_ids, self.key_rank), t.load_blocks)
+                )
+
+    def clear(self) -> None:
+        self._meta = None
+
+    # -- loads -------------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        self._loads_by_layer.clear()
+        self._loads_pending = 0
+        self._load_failed_reqs = set()
+        if not self._load_reqs or self.layout is None:
+            return
+        self._step_t0 = time.perf_counter()
+        if self.layerwise:
+            self._load_next = 0
+            if self.cfg.connector.prefetch and self.store is not None:
+                # Whole block files start streaming in while the first layers load.
+                store = self.store.get()
+                try:
+                    if store is not None:
+                        store.prefetch([i for _, ids, _ in self._load_reqs for i in ids])
+                except Exception as e:  # only a hint
+                    logger.debug("UCM prefetch failed: %s", e)
+            for _ in range(min(self.lookahead, len(self.layout.layers))):
+                self._submit_load_layer()
+        else:
+            self._submit_loads(list(range(len(self.layout.layers))), key=-1)
+            self._wait_loads(-1)
+            self._finish_load_step()
+
+    def _submit_load_layer(self) -> None:
+        assert self.layout is not None
+        pos = self._load_next
+        if pos >= len(self.layout.layers):
+            return
+        self._load_next += 1
+        self._submit_loads([pos], key=pos)
+
+    def _submit_loads(self, layer_pos: list[int], key: int) -> None:
+        assert self.layout is not None and self.store is not None
+        store = self.store.get()
+        for ri, (_req_id, ids, blocks) in enumerate(self._load_reqs):
+            if ri in self._load_failed_reqs:
+                continue
+            ld = _Load(task=None, store=store, req_idx=ri, layer_pos=layer_pos)
+            self._loads_by_layer[key].append(ld)
+            self._loads_pending += 1
+            if store is None:
+                ld.error = StoreUnusable("the store is unusable")
+                ld.done.set()
+                continue
+            try:
+                host_addrs = None
+                if self.staging is not None:
+                    ld.host, host_addrs = self.staging.alloc(len(layer_pos), len(ids))
+                rep_ids, shard_idx, addrs = self._shard_plan(layer_pos, ids, blocks, host_addrs)
+                self._io_begin("load")
+                ld.t0 = time.perf_counter()
+                ld.task = store.load_data(rep_ids, shard_idx, addrs)
+            except Exception as e:
+                self._io_end("load")
+                ld.error = e
+                ld.done.set()
+                continue
+            self._load_q.put(ld)
+
+    def _shard_plan(
+        self,
+        layer_pos: list[int],
+        ids: list[bytes],
+        blocks: list[int],
+        host_addrs: np.ndarray | None = None,
+    ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """Ids, shard indices and addresses of these blocks' shards for these
+        layers, block-major (a block's shards are adjacent in its file, so
+        multi-layer transfers read and write each file front to back).
+        ``host_addrs`` (staging) are in the buffer's layer-major order."""
+        assert self.layout is not None
+        n, nl = len(ids), len(layer_pos)
+        lay = self.layout
+        shard_idx = np.tile(np.array([lay.layers[p].shard_index for p in layer_pos], np.int64), n)
+        if host_addrs is not None:
+            per_layer = host_addrs.reshape(nl, n, lay.runs)
+        else:
+            vb = np.asarray(blocks, dtype=np.int64)
+            per_layer = np.stack([lay.layers[p].addrs(vb) for p in layer_pos])
+        addrs = np.ascontiguousarray(per_layer.transpose(1, 0, 2).reshape(n * nl, lay.runs))
+        return [i for i in ids for _ in range(nl)], shard_idx, addrs
+
+    def _wait_loads(self, key: int) -> None:
+        loads = self._loads_by_layer.pop(key, [])
+        for ld in loads:
+            self._loads_pending -= 1
+            ld.done.wait()
+            if ld.error is None:
+                if self.staging is not None:
+                    _, _, blocks = self._load_reqs[ld.req_idx]
+                    self.staging.scatter(ld.host, ld.layer_pos, blocks)
+                continue
+            self._load_failed(ld)
+
+    def _load_wait_loop(self) -> None:
+        while True:
+            ld = self._load_q.get()
+            if ld is None:
+                return
+            try:
+                assert ld.store is not None and ld.task is not None
+                ld.store.wait(ld.task)
+            except Exception as e:
+                ld.error = e
+            if ld.error is None:
+                self.stats.add(load_durations_ms=[(time.perf_counter() - ld.t0) * 1e3])
+            self._io_end("load")
+            ld.done.set()
+
+    def _io_begin(self, kind: str) -> None:
+        with self._cv:
+            if self._io_inflight[kind] == 0:
+                self._io_since[kind] = time.perf_counter()
+            self._io_inflight[kind] += 1
+
+    def _io_end(self, kind: str) -> None:
+        """One transfer finished; while none is in flight the clock stops (GB/s
+        are bytes over the time transfers were in flight)."""
+        with self._cv:
+            self._io_inflight[kind] -= 1
+            if self._io_inflight[kind] == 0:
+                busy = (time.perf_counter() - self._io_since[kind]) * 1e3
+                self.stats.add(**{f"{kind}_busy_ms": busy})
+
+    def _load_failed(self, ld: _Load) -> None:
+        """Marks the blocks of a failed load so vLLM recomputes them."""
+        req_id, ids, blocks = self._load_reqs[ld.req_idx]
+        first = ld.req_idx not in self._load_failed_reqs
+        self._load_failed_reqs.add(ld.req_idx)
+        err = ld.error
+        assert err is not None
+        bad = list(range(len(ids)))
+        if is_block_level(err) and ld.store is not None:
+            # Corrupt blocks are removed by the store: find which are gone.
+            try:
+                present = ld.store.lookup(ids)
+                missing = [i for i, p in enumerate(present) if not p]
+                if missing:
+                    bad = list(range(missing[0], len(ids)))
+            except Exception:
+                pass
+        else:
+            if self.store is not None and not isinstance(err, StoreUnusable):
+                self.store.report_failure(err, "load")
+            # Tells the scheduler side to stop reporting hits for a while.
+            self.stats.add(load_store_errors=1)
+        new = {blocks[i] for i in bad} - self._load_errors
+        self._load_errors |= new
+        self.stats.add(load_failed_blocks=len(new))
+        if first:
+            logger.warning(
+                "UCM load of %d block(s) of request %s failed (%s); vLLM recomputes them",
+                len(bad),
+                req_id,
+                err,
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self.layerwise or not self._loads_pending:
+            return
+        pos = self._layer_pos.get(layer_name)
+        if pos is None:
+            return
+        # Wait for this layer (and any earlier one still pending), then keep
+        # `lookahead` layers in flight.
+        for key in sorted(k for k in self._loads_by_layer if k <= pos):
+            self._wait_loads(key)
+        while self._load_next <= pos + self.lookahead and self._load_next < len(self._layer_pos):
+            self._submit_load_layer()
+        if not self._loads_pending and self._load_next >= len(self._layer_pos):
+            self._finish_load_step()
+
+    def _drain_loads(self) -> None:
+        if self.layout is None:
+            return
+        while self._load_next < len(self.layout.layers) and self.layerwise and self._load_reqs:
+            self._submit_load_layer()
+        had = bool(self._loads_by_layer)
+        for key in sorted(self._loads_by_layer):
+            self._wait_loads(key)
+        if had:
+            self._finish_load_step()
+
+    def _finish_load_step(self) -> None:
+        assert self.layout is not None
+        ok = [r for i, r in enumerate(self._load_reqs) if i not in self._load_failed_reqs]
+        blocks = sum(len(r[1]) for r in ok)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "UCM loaded %d block(s) of %d request(s) in %.1f ms (%s)",
+                blocks,
+                len(ok),
+                (time.perf_counter() - self._step_t0) * 1e3,
+                "layer-wise" if self.layerwise else "whole-step",
+            )
+        if blocks:
+            self.stats.add(
+                load_blocks=blocks,
+                load_bytes=blocks * len(self.layout.layers) * self.layout.shard_bytes,
+            )
+            if self.store is not None:
+                self.store.report_success()
+        self._load_reqs = []
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    # -- saves -------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self.layerwise or not self._save_plan:
+            return
+        pos = self._layer_pos.get(layer_name)
+        if pos is None:
+            return
+        last = pos == len(self._layer_pos) - 1
+        self._submit_saves([pos], final=last)
+
+    def wait_for_save(self) -> None:
+        # Loads the forward didn't wait for (no attention metadata) must not
+        # land in memory later.
+        if self._loads_by_layer or (self.layerwise and self._load_reqs):
+            self._drain_loads()
+        if self.layerwise or not self._save_plan or self.layout is None:
+            return
+        self._submit_saves(list(range(len(self.layout.layers))), final=True)
+
+    def _submit_saves(self, layer_pos: list[int], final: bool) -> None:
+        assert self.layout is not None and self.store is not None
+        if not self.is_writer:
+            return
+        store = self.store.get()
+        if store is None:
+            if final:
+                self.stats.add(save_skipped_blocks=sum(len(p[1]) for p in self._save_plan))
+            return
+        lay = self.layout
+        for req_id, ids, blocks in self._save_plan:
+            n = len(ids)
+            job = _Save(
+                task=None,
+                store=store,
+                req_id=req_id,
+                blocks=n if final else 0,
+                nbytes=n * len(layer_pos) * lay.shard_bytes,
+                t0=time.perf_counter(),
+            )
+            with self._cv:
+                self._pending[req_id] += 1
+                self._inflight += 1
+            self._io_begin("save")
+            try:
+                host_addrs = None
+                if self.staging is not None:
+                    job.keepalive, host_addrs, job.event = self.staging.gather(layer_pos, blocks)
+                job.ids, job.shard_idx, job.addrs = self._shard_plan(
+                    layer_pos, ids, blocks, host_addrs
+                )
+            except Exception as e:
+                job.error = e
+            if job.event is not None:
+                self._ensure_stager()
+                self._stage_q.put(job)  # submitted once the device copy is done
+            else:
+                self._submit_dump(job)
+                self._reap_q.put(job)
+
+    @staticmethod
+    def _submit_dump(job: _Save) -> None:
+        if job.error is not None:
+            return
+        try:
+            job.task = job.store.dump_data(job.ids, job.shard_idx, job.addrs)
+        except Exception as e:
+            job.error = e
+
+    def _ensure_stager(self) -> None:
+        if self._stager is None:
+            self._stager = threading.Thread(
+                target=self._stage_loop, name="ucm-save-stager", daemon=True
+            )
+            self._stager.start()
+
+    def _stage_loop(self) -> None:
+        while True:
+            job = self._stage_q.get()
+            if job is None:
+                return
+            try:
+                job.event.synchronize()
+            except Exception as e:  # pragma: no cover - device failure
+                job.error = e
+            job.event = None
+            self._submit_dump(job)
+            self._reap_q.put(job)
+
+    def _save_failed(self, err: BaseException, blocks: int) -> None:
+        self.stats.add(save_failed_blocks=blocks)
+        if self.store is not None and not is_block_level(err):
+            self.store.report_failure(err, "save")
+
+    def _reap_loop(self) -> None:
+        while True:
+            item = self._reap_q.get()
+            if item is None:
+                return
+            err = item.error
+            if err is None and item.task is not None:
+                try:
+                    item.store.wait(item.task)
+                except Exception as e:
+                    err = e
+            now = time.perf_counter()
+            ms = (now - item.t0) * 1e3
+            if err is None:
+                self.stats.add(
+                    save_blocks=item.blocks, save_bytes=item.nbytes, save_durations_ms=[ms]
+                )
+                if self.store is not None:
+                    self.store.report_success()
+            else:
+                self._save_failed(err, item.blocks)
+            item.keepalive = None
+            item.addrs = None
+            self._io_end("save")
+            with self._cv:
+                self._pending[item.req_id] -= 1
+                self._inflight -= 1
+                self._cv.notify_all()
+
+    def _wait_saves(self, req_ids: set[str] | None, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                busy = (
+                    self._inflight > 0
+                    if req_ids is None
+                    else any(self._pending.get(r, 0) > 0 for r in req_ids)
+                )
+                if not busy:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+
+    def handle_preemptions(self, meta: UCMConnectorMetadata) -> None:
+        # vLLM may hand a preempted request's blocks to another request in this
+        # very step: its saves must have read them first.
+        if meta.preempted_req_ids:
+            self._wait_saves(set(meta.preempted_req_ids), timeout=300)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        idle = self._meta is not None and self._meta.num_scheduled_tokens == 0
+        with self._cv:
+            for r in finished_req_ids:
+                if r in self._save_reqs:
+                    self._finishing.add(r)
+            if not self._finishing:
+                return None, None
+            done = {r for r in self._finishing if self._pending.get(r, 0) <= 0}
+            if not done and idle:
+                # Nothing else to do this step: wait a little rather than spin.
+                self._cv.wait(0.005)
+                done = {r for r in self._finishing if self._pending.get(r, 0) <= 0}
+            for r in done:
+                self._finishing.discard(r)
+                self._save_reqs.discard(r)
+                self._pending.pop(r, None)
+        return (done or None), None
+
+    # -- stats & shutdown ------------------------------------------------------
+    def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
+        data = self.stats.take()
+        if self.store is not None and self.store.errors != self._errors_reported:
+            data["store_errors"] = self.store.errors - self._errors_reported
+            self._errors_reported = self.store.errors
+        if self.store is not None and (data or not self.store.healthy):
+            data["store_healthy"] = int(self.store.healthy)
+        return UCMKVConnectorStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._wait_saves(None, timeout=120):
+            logger.warning("UCM: saves still in flight at shutdown; closing anyway")
+        if self._stager is not None:
+            self._stage_q.put(None)
+            self._stager.join(timeout=5)
+        if self._load_waiter is not None:
+            self._load_q.put(None)
+        if self._reaper is not None:
+            self._reap_q.put(None)
+            self._reaper.join(timeout=5)
+        if self.store is not None:
+            self.store.close()
+
+
+__all__ = ["HostStaging", "UCMWorkerSide", "rank_keys"]
