@@ -97,7 +97,7 @@ def test_model_info_from_duck_typed_vllm_config() -> None:
 
 
 def test_factory_builtins_and_aliases() -> None:
-    assert UcmSparseFactory.registered() == ["ESA", "GSA", "KVStar"]
+    assert UcmSparseFactory.registered() == ["Blend", "ESA", "GSA", "KVStar", "ReRoPE"]
     assert UcmSparseFactory.get_class("ESA") is ESA
     assert UcmSparseFactory.get_class("GSAOnDevice") is GSA
     assert UcmSparseFactory.get_class("KVStarMultiStep") is KVStar

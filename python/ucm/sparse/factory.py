@@ -4,7 +4,8 @@
 ... # doctest: +SKIP
 
 Built-in names: ``ESA``, ``GSA`` (alias ``GSAOnDevice``) and ``KVStar`` (alias
-``KVStarMultiStep``), the aliases being the original UCM's names.
+``KVStarMultiStep``), the aliases being the original UCM's names; ``Blend``
+(alias ``CacheBlend``) and ``ReRoPE``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ class UcmSparseFactory:
         "ESA": ("ucm.sparse.esa", "ESA"),
         "GSA": ("ucm.sparse.gsa", "GSA"),
         "KVStar": ("ucm.sparse.kvstar", "KVStar"),
+        "Blend": ("ucm.sparse.blend", "Blend"),
+        "ReRoPE": ("ucm.sparse.rerope", "ReRoPE"),
     }
     _aliases: ClassVar[dict[str, str]] = {
         "GSAOnDevice": "GSA",
         "KVStarMultiStep": "KVStar",
+        "CacheBlend": "Blend",
     }
 
     @classmethod

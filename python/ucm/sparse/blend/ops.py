@@ -1,0 +1,68 @@
+"""Blend ops with Triton kernels and torch fallbacks (``impl`` as in :mod:`ucm.sparse.ops`).
+
+* ``"auto"``: the kernel when Triton can run on the tensors (CUDA, or CPU
+  under ``TRITON_INTERPRET=1``), else the torch reference;
+* ``"triton"``: the kernel or :class:`RuntimeError`; ``"torch"``: the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ucm.sparse.blend import reference
+from ucm.sparse.ops import Impl, _use_triton
+from ucm.sparse.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    from ucm.sparse.blend import launchers as _launchers
+else:  # pragma: no cover - depends on the environment
+    _launchers = None
+
+
+def delta_rope(
+    k_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    deltas: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+    num_tokens: torch.Tensor | None = None,
+    impl: Impl = "auto",
+    validate: bool = True,
+) -> None:
+    """Rotates paged key blocks by ``deltas`` positions in place (see the reference).
+
+    ``validate=False`` skips the kernel launcher's checks that read device
+    values back (distinct block ids, deltas inside the table): hot paths.
+    """
+    if _use_triton(impl, k_cache):
+        _launchers.delta_rope(
+            k_cache, block_ids, deltas, cos_sin_cache, is_neox, num_tokens, validate
+        )
+    else:
+        reference.delta_rope(k_cache, block_ids, deltas, cos_sin_cache, is_neox, num_tokens)
+
+
+def delta_rope_tokens(
+    k: torch.Tensor,
+    deltas: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+    impl: Impl = "auto",
+) -> None:
+    """Rotates a plain ``[T, H, D]`` key tensor by per-token ``deltas`` ``[T]`` in place."""
+    if _use_triton(impl, k):
+        _launchers.delta_rope_tokens(k, deltas, cos_sin_cache, is_neox)
+    else:
+        reference.delta_rope_tokens(k, deltas, cos_sin_cache, is_neox)
+
+
+def kv_deviation(
+    k_cache: torch.Tensor, slots: torch.Tensor, k_fresh: torch.Tensor, impl: Impl = "auto"
+) -> torch.Tensor:
+    """``[T]`` fp32 L1 deviation between cached keys (through ``slots``) and fresh ones."""
+    if _use_triton(impl, k_fresh):
+        return _launchers.kv_deviation(k_cache, slots, k_fresh)
+    return reference.kv_deviation(k_cache, slots, k_fresh)
+
+
+__all__ = ["delta_rope", "delta_rope_tokens", "kv_deviation"]

@@ -1,0 +1,268 @@
+"""ReRoPE inside vLLM 0.32 (CPU and GPU), without editing vLLM.
+
+Two per-instance patches on a loaded model (nothing on classes, nothing in
+vLLM's op registry), undone by :meth:`ReRoPEInstall.uninstall`:
+
+1. **Model side.** Every Llama/Qwen-style attention module (an ``nn.Module``
+   with ``qkv_proj``, ``rotary_emb`` and ``attn``; its forward calls
+   ``q, k = self.rotary_emb(positions, q, k)`` right before
+   ``self.attn(q, k, v)``: ``LlamaAttention``, ``Qwen2Attention``,
+   ``Qwen3Attention`` (after its q/k norm), ``Qwen3MoeAttention``,
+   ``MistralAttention``) gets its ``rotary_emb`` child replaced by a
+   :class:`ReRoPERotary`. It scales q by ``max(1, log(pos+1)/log(L))``,
+   rotates q and k with the model's own rotary module (so RoPE scaling
+   variants apply unchanged), also rotates the scaled q to the constant
+   position ``W`` (``q_w``), and keeps k un-rotated (``k2``). It returns
+   ``(q, k)`` to the model as before and stashes ``(q_w, k2)`` with the
+   :class:`~ucm.sparse.rerope.method.ReRoPE` agent under the layer's name.
+   ``get_rope`` caches rotary modules, so several layers share one; the
+   wrapper is per layer and never mutates the shared module.
+2. **Attention side.** ``layer.attn.impl.forward`` is wrapped per instance
+   (as :mod:`ucm.sparse.vllm_hooks` does): ``attention_begin`` writes K2 at
+   the layer's ``slot_mapping`` -- vLLM has already written K and V with
+   ``do_kv_cache_update`` -- then ``sparse_attention`` computes ReRoPE
+   attention from the paged K, V and K2 caches into ``output``, or declines
+   (no sequence longer than ``W``) and the backend runs unchanged.
+
+The K2 caches are allocated from the layers' ``kv_cache`` tensors
+(``+50 %`` KV bytes, see :mod:`ucm.sparse.rerope.method`). On CPU the
+attention is the torch reference (vLLM's CPU build has no Triton backend);
+on CUDA the Triton kernels. ``enforce_eager=True`` is required: the stash
+passes tensors between two Python calls, which a compiled graph would not
+replay.
+
+Serving past the checkpoint's ``max_position_embeddings``: raise it with
+``hf_overrides={"max_position_embeddings": N}`` (vLLM then builds the rotary
+table and accepts ``max_model_len`` up to ``N``) and give ReRoPE the real
+pre-training length as ``training_length`` -- the same recipe as the
+original UCM patch. :func:`ensure_rotary_capacity` instead extends a plain
+``RotaryEmbedding`` table in place (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``).
+
+Entry points: :func:`install_rerope_on_model` (in the worker, given the
+model) and :func:`install_rerope` (an offline ``vllm.LLM``; runs the former
+through ``LLM.apply_model``, in-process engines only).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucm.shared.logging import get_logger
+from ucm.sparse.base import SparseModelInfo, UcmSparseRole
+from ucm.sparse.rerope.config import ReRoPEConfig
+from ucm.sparse.rerope.method import ReRoPE
+from ucm.sparse.rerope.reference import log_n_scale
+from ucm.sparse.vllm_hooks import HookHandle, check_vllm_version, is_wrapped
+
+_LOG = get_logger("ucm.sparse.rerope")
+
+#: Attention modules whose forward applies ``rotary_emb`` to q, k and then calls ``attn``.
+SUPPORTED_ATTENTION = (
+    "LlamaAttention",
+    "Qwen2Attention",
+    "Qwen3Attention",
+    "Qwen3MoeAttention",
+    "MistralAttention",
+)
+
+
+class ReRoPERotary(torch.nn.Module):
+    """Stands in for one attention module's ``rotary_emb`` (see the module doc)."""
+
+    def __init__(
+        self, inner: torch.nn.Module, agent: ReRoPE, layer_name: str, head_size: int
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.agent = agent
+        self.layer_name = layer_name
+        self.head_size = head_size
+
+    def _scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        base = self.agent.log_n_base
+        if base is None:
+            return torch.ones(positions.shape[0], 1, dtype=dtype, device=positions.device)
+        return log_n_scale(positions.flatten(), base).to(positions.device, dtype).unsqueeze(-1)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if key is None:  # pragma: no cover - cross-layer KV sharing, not supported
+            raise NotImplementedError("ReRoPE needs the layer's keys")
+        t = query.shape[0]
+        k2 = key.clone()  # the inner module may rotate in place (CUDA op)
+        qs = (query.view(t, -1) * self._scale(positions, query.dtype)).view(query.shape)
+        window = torch.full_like(positions, self.agent.window)
+        q_w, _ = self.inner(window, qs.clone(), key.clone())
+        q_rot, k_rot = self.inner(positions, qs, key)
+        self.agent.stash(
+            self.layer_name,
+            q_w.reshape(t, -1, self.head_size),
+            k2.reshape(t, -1, self.head_size),
+        )
+        return q_rot, k_rot
+
+
+def ensure_rotary_capacity(rotary_emb: torch.nn.Module, max_pos: int) -> bool:
+    """Extends a plain ``RotaryEmbedding``'s ``cos_sin_cache`` to ``max_pos`` rows in place.
+
+    Returns True if it grew. Scaled variants (YaRN, Llama-3, ...) compute
+    their tables differently and are left alone (use ``hf_overrides``).
+    """
+    cache = getattr(rotary_emb, "cos_sin_cache", None)
+    if cache is None or cache.shape[0] >= max_pos:
+        return False
+    if type(rotary_emb).__name__ != "RotaryEmbedding":
+        raise ValueError(
+            f"{type(rotary_emb).__name__} has a {cache.shape[0]}-position table; raise "
+            "max_position_embeddings with hf_overrides to serve longer prompts"
+        )
+    old = rotary_emb.max_position_embeddings
+    rotary_emb.max_position_embeddings = max_pos
+    try:
+        new = rotary_emb._compute_cos_sin_cache().to(cache.device, cache.dtype)
+    finally:
+        rotary_emb.max_position_embeddings = old
+    rotary_emb.cos_sin_cache = new
+    return True
+
+
+@dataclass
+class ReRoPEInstall:
+    """What :func:`install_rerope_on_model` did; :meth:`uninstall` restores the model."""
+
+    agent: ReRoPE
+    layers: list[str] = field(default_factory=list)
+    handle: HookHandle = field(default_factory=lambda: HookHandle("rerope"))
+    _modules: list[tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=list)
+
+    def replace_rotary(self, mod: torch.nn.Module, new: torch.nn.Module) -> None:
+        # nn.Module children live in ``_modules``, not ``__dict__``: restore by setattr.
+        self._modules.append((mod, mod.rotary_emb))
+        mod.rotary_emb = new
+
+    def uninstall(self) -> None:
+        """Restores every patched module and impl (idempotent); frees the K2 caches."""
+        self.handle.uninstall()
+        while self._modules:
+            mod, old = self._modules.pop()
+            mod.rotary_emb = old
+        self.agent.k2_caches.clear()
+
+
+def _wrap_impl_forward(agent: ReRoPE, layer_name: str, impl_forward: Any) -> Any:
+    @functools.wraps(impl_forward)
+    def forward(layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
+        if attn_metadata is None or output is None:
+            return impl_forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+            )
+        query, key, value, output = agent.attention_begin(
+            query, key, value, layer_name, attn_metadata, output
+        )
+        if agent.sparse_attention(layer_name, query, kv_cache, attn_metadata, output):
+            return output
+        return impl_forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+        )
+
+    return forward
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    found = []
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "rotary_emb") and hasattr(mod, "attn") and hasattr(mod.attn, "impl")):
+            continue
+        if type(mod).__name__ not in SUPPORTED_ATTENTION:
+            raise NotImplementedError(
+                f"ReRoPE supports {', '.join(SUPPORTED_ATTENTION)}; {name} is {type(mod).__name__}"
+            )
+        found.append((name, mod))
+    return found
+
+
+def _layer_kv_cache(attn: Any) -> torch.Tensor | None:
+    kv = getattr(attn, "kv_cache", None)
+    if isinstance(kv, list | tuple):  # older vLLM: one per virtual engine
+        kv = kv[0] if kv else None
+    return kv if isinstance(kv, torch.Tensor) and kv.numel() else None
+
+
+def install_rerope_on_model(
+    model: torch.nn.Module,
+    config: ReRoPEConfig,
+    *,
+    model_info: SparseModelInfo | None = None,
+    max_positions: int | None = None,
+    version: str | None = None,
+) -> ReRoPEInstall:
+    """Installs ReRoPE on a loaded vLLM model (call in the worker, after the KV cache exists).
+
+    ``config.training_length`` must be set (the model config may carry an
+    overridden ``max_position_embeddings``). ``max_positions``: extend plain
+    rotary tables to this many positions (:func:`ensure_rotary_capacity`).
+    """
+    check_vllm_version(version)
+    if config.training_length is None:
+        raise ValueError("install_rerope_on_model needs config.training_length")
+    agent = ReRoPE(model_info, UcmSparseRole.WORKER, config)
+    inst = ReRoPEInstall(agent)
+    kv_caches = {}
+    for _, mod in _attention_modules(model):
+        attn = mod.attn
+        layer_name = attn.layer_name
+        if max_positions:
+            ensure_rotary_capacity(mod.rotary_emb, max_positions)
+        kv = _layer_kv_cache(attn)
+        if kv is None:
+            raise RuntimeError(f"{layer_name} has no KV cache yet; install after engine start")
+        kv_caches[layer_name] = kv
+        agent.scales[layer_name] = float(attn.impl.scale)
+        if agent.cos_sin_cache is None and hasattr(mod.rotary_emb, "cos_sin_cache"):
+            agent.set_rotary(mod.rotary_emb.cos_sin_cache, mod.rotary_emb.is_neox_style)
+        head = int(getattr(mod, "head_dim", attn.impl.head_size))
+        inst.replace_rotary(mod, ReRoPERotary(mod.rotary_emb, agent, layer_name, head))
+        if not is_wrapped(attn.impl.forward):
+            inst.handle.patch_attr(
+                attn.impl, "forward", _wrap_impl_forward(agent, layer_name, attn.impl.forward)
+            )
+        inst.layers.append(layer_name)
+    if not inst.layers:
+        raise NotImplementedError("no supported attention module found in the model")
+    agent.initialize_kv_cache_tensors(kv_caches)
+    rep = agent.memory_report()
+    _LOG.info(
+        "ReRoPE on %d layers (W=%d, L=%d): K2 cache %.1f MiB, +%.0f%% of the KV cache",
+        len(inst.layers),
+        config.rerope_window,
+        config.training_length,
+        rep["k2_bytes"] / 2**20,
+        100 * rep["overhead"],
+    )
+    return inst
+
+
+#: Installs made through :func:`install_rerope`, by id (the worker runs in this process).
+_INSTALLS: dict[int, ReRoPEInstall] = {}
+
+
+def install_rerope(
+    llm: Any, config: ReRoPEConfig, max_positions: int | None = None
+) -> ReRoPEInstall:
+    """Installs ReRoPE into an offline ``vllm.LLM`` whose worker runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker)."""
+
+    def _install(model: torch.nn.Module) -> int:
+        inst = install_rerope_on_model(model, config, max_positions=max_positions)
+        _INSTALLS[id(inst)] = inst
+        return id(inst)
+
+    ids = llm.apply_model(_install)
+    if len(ids) != 1 or ids[0] not in _INSTALLS:
+        raise RuntimeError("install_rerope needs one in-process worker")
+    return _INSTALLS.pop(ids[0])
