@@ -84,31 +84,7 @@ impl PosixConfig {
                 )));
             }
         }
-        if self.shard_size == 0 {
-            return Err(UcmError::invalid("shard_size: must be > 0"));
-        }
-        if self.block_size == 0 || self.block_size % self.shard_size != 0 {
-            return Err(UcmError::invalid(format!(
-                "block_size: {} must be a positive multiple of shard_size {}",
-                self.block_size, self.shard_size
-            )));
-        }
-        if self.block_size / self.shard_size > MAX_SHARDS {
-            return Err(UcmError::invalid(format!(
-                "block_size / shard_size = {} shards; at most {MAX_SHARDS} are supported",
-                self.block_size / self.shard_size
-            )));
-        }
-        let sum: usize = self.tensor_size_list.iter().sum();
-        if self.tensor_size_list.is_empty()
-            || self.tensor_size_list.contains(&0)
-            || sum != self.shard_size
-        {
-            return Err(UcmError::invalid(format!(
-                "tensor_size_list: sizes {:?} must be positive and sum to shard_size {} (they sum to {sum})",
-                self.tensor_size_list, self.shard_size
-            )));
-        }
+        validate_geometry(self.block_size, self.shard_size, &self.tensor_size_list)?;
         if self.io_threads == 0 {
             return Err(UcmError::invalid("io_threads: must be > 0"));
         }
@@ -119,6 +95,37 @@ impl PosixConfig {
     pub fn transfers_enabled(&self) -> bool {
         self.device_id >= 0
     }
+}
+
+/// Checks a block geometry shared by every store that uses the block file
+/// format: shards divide the block, and the tensor sizes sum to a shard.
+/// Errors name the key and the values.
+pub fn validate_geometry(
+    block_size: usize,
+    shard_size: usize,
+    tensor_sizes: &[usize],
+) -> Result<()> {
+    if shard_size == 0 {
+        return Err(UcmError::invalid("shard_size: must be > 0"));
+    }
+    if block_size == 0 || block_size % shard_size != 0 {
+        return Err(UcmError::invalid(format!(
+            "block_size: {block_size} must be a positive multiple of shard_size {shard_size}"
+        )));
+    }
+    if block_size / shard_size > MAX_SHARDS {
+        return Err(UcmError::invalid(format!(
+            "block_size / shard_size = {} shards; at most {MAX_SHARDS} are supported",
+            block_size / shard_size
+        )));
+    }
+    let sum: usize = tensor_sizes.iter().sum();
+    if tensor_sizes.is_empty() || tensor_sizes.contains(&0) || sum != shard_size {
+        return Err(UcmError::invalid(format!(
+            "tensor_size_list: sizes {tensor_sizes:?} must be positive and sum to shard_size {shard_size} (they sum to {sum})"
+        )));
+    }
+    Ok(())
 }
 
 fn writable(dir: &std::path::Path) -> bool {

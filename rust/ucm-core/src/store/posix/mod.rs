@@ -24,7 +24,7 @@ pub mod scan;
 mod spare;
 mod writer;
 
-pub use config::{PosixConfig, MAX_SHARDS};
+pub use config::{validate_geometry, PosixConfig, MAX_SHARDS};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use crate::error::{Result, UcmError};
-use crate::store::posix::MAX_SHARDS;
+use crate::store::posix::validate_geometry;
 
 use super::shared::expand_env;
 
@@ -189,31 +189,7 @@ impl S3Config {
                  AWS environment variables and credential sources are used)",
             ));
         }
-        if self.shard_size == 0 {
-            return Err(UcmError::invalid("shard_size: must be > 0"));
-        }
-        if self.block_size == 0 || self.block_size % self.shard_size != 0 {
-            return Err(UcmError::invalid(format!(
-                "block_size: {} must be a positive multiple of shard_size {}",
-                self.block_size, self.shard_size
-            )));
-        }
-        if self.block_size / self.shard_size > MAX_SHARDS {
-            return Err(UcmError::invalid(format!(
-                "block_size / shard_size = {} shards; at most {MAX_SHARDS} are supported",
-                self.block_size / self.shard_size
-            )));
-        }
-        let sum: usize = self.tensor_size_list.iter().sum();
-        if self.tensor_size_list.is_empty()
-            || self.tensor_size_list.contains(&0)
-            || sum != self.shard_size
-        {
-            return Err(UcmError::invalid(format!(
-                "tensor_size_list: sizes {:?} must be positive and sum to shard_size {} (they sum to {sum})",
-                self.tensor_size_list, self.shard_size
-            )));
-        }
+        validate_geometry(self.block_size, self.shard_size, &self.tensor_size_list)?;
         if self.max_concurrency == 0 {
             return Err(UcmError::invalid("s3_max_concurrency: must be > 0"));
         }
