@@ -94,7 +94,7 @@ class PosixStoreConfig:
     """Capacity above which least recently used blocks are evicted; 0 = unbounded."""
     device_id: int = 0
     """-1 makes a lookup-only store (the scheduler role): load/dump are refused."""
-    posix_spare_files: int = 32
+    posix_spare_files: int = 64
     """Temporary files kept created and allocated ahead of dumps, per directory
     (hides slow file creation, e.g. on NFS); 0 disables."""
 

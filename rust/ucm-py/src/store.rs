@@ -220,7 +220,7 @@ fn shards_from_segs(
 impl PyStore {
     /// Opens a Posix store. Arguments are the validated config fields.
     #[staticmethod]
-    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0, spare_files=32))]
+    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0, spare_files=64))]
     #[allow(clippy::too_many_arguments)] // mirrors the config keys one to one
     fn posix(
         py: Python<'_>,

@@ -218,10 +218,12 @@ fn blake3_chain(
     check_u32(tokens)?;
     let key = blake3::derive_key(BLAKE3_CONTEXT, meta);
     let tkey = blake3::derive_key(BLAKE3_TOKENS_CONTEXT, meta);
-    let bytes: Vec<u8> = tokens
-        .iter()
-        .flat_map(|&t| (t as u32).to_le_bytes())
-        .collect();
+    // A zeroed buffer filled in place vectorizes; `flat_map(..).collect()`
+    // grew the vector byte by byte.
+    let mut bytes = vec![0u8; 4 * tokens.len()];
+    for (dst, &t) in bytes.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&(t as u32).to_le_bytes());
+    }
     let digests = token_digests(&bytes, 4 * block_size, &tkey);
     // The chain message (16 + 32 bytes) is one BLAKE3 block: compress it
     // directly rather than set up a `Hasher` per block.

@@ -51,7 +51,7 @@ impl Default for PosixConfig {
             timeout_ms: 30_000,
             capacity_bytes: 0,
             device_id: 0,
-            spare_files: 32,
+            spare_files: 64,
         }
     }
 }

@@ -168,6 +168,7 @@ impl PosixStore {
                     0
                 },
                 owner,
+                file_len,
             ),
             cfg,
         });

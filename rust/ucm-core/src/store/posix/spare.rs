@@ -9,9 +9,13 @@
 //! dumps up to the pool size skip the create; beyond that, dumps create
 //! their own temporaries as before.
 //!
-//! Spares are left empty on purpose: preallocating them (`fallocate`) would
-//! save a little allocation work per write, but spares would then hold disk
-//! space that a nearly full disk needs for real blocks.
+//! Spares are also preallocated to a block file's full length (`fallocate`)
+//! when the file system has room to spare: an O_DIRECT write that extends a
+//! file takes ext4's slow path (block allocation, an orphan-list entry and an
+//! i_size update in the journal per write), while overwriting allocated
+//! space is what the raw-disk baseline measures. A nearly full disk needs its
+//! space for real blocks, so below [`PREALLOC_MIN_FREE`] free bytes (or 5 %
+//! of the file system) spares stay empty.
 //!
 //! Spares live in `<root>/.spare/` (the same file system as the block
 //! directories, so the publishing rename stays atomic), are named like other
@@ -30,6 +34,12 @@ use super::files::{make_private_dir, TMP_MARKER};
 /// Name of the spare-file directory under each root.
 pub const SPARE_DIR: &str = ".spare";
 
+/// Free bytes a file system must keep for spares to be preallocated.
+pub const PREALLOC_MIN_FREE: u64 = 2 << 30;
+
+/// Most bytes of preallocated spares per root; spares beyond it stay empty.
+pub const PREALLOC_POOL_MAX: u64 = 256 << 20;
+
 struct Root {
     dir: PathBuf,
     files: Mutex<VecDeque<PathBuf>>,
@@ -40,15 +50,17 @@ pub struct SparePool {
     roots: Vec<Root>,
     target: usize,
     owner: String,
+    prealloc_len: u64,
     seq: AtomicU64,
     stop: AtomicBool,
     wake: (Mutex<bool>, Condvar),
 }
 
 impl SparePool {
-    /// A pool keeping `target` empty spares under each root (`target == 0`
-    /// disables it); `owner` is the store's `<pid>.<instance>`.
-    pub fn new(roots: &[PathBuf], target: usize, owner: String) -> Self {
+    /// A pool keeping `target` spares under each root (`target == 0`
+    /// disables it), preallocated to `prealloc_len` bytes where there is
+    /// room (0: always empty); `owner` is the store's `<pid>.<instance>`.
+    pub fn new(roots: &[PathBuf], target: usize, owner: String, prealloc_len: u64) -> Self {
         SparePool {
             roots: roots
                 .iter()
@@ -59,6 +71,7 @@ impl SparePool {
                 .collect(),
             target,
             owner,
+            prealloc_len,
             seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(false), Condvar::new()),
@@ -101,8 +114,9 @@ impl SparePool {
         while !self.stop.load(Ordering::Acquire) {
             let mut made = false;
             for r in &self.roots {
-                if r.files.lock().len() < self.target {
-                    if let Some(p) = self.create(&r.dir) {
+                let ready = r.files.lock().len();
+                if ready < self.target {
+                    if let Some(p) = self.create(&r.dir, ready) {
                         r.files.lock().push_back(p);
                         made = true;
                     }
@@ -120,17 +134,31 @@ impl SparePool {
         }
     }
 
-    fn create(&self, dir: &Path) -> Option<PathBuf> {
+    /// Creates one spare; `ready` spares are already waiting in `dir`.
+    fn create(&self, dir: &Path, ready: usize) -> Option<PathBuf> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("spare{TMP_MARKER}{}.{seq}", self.owner));
         use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
+        let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .open(&path)
             .ok()?;
+        let within_budget = (ready as u64).saturating_mul(self.prealloc_len) < PREALLOC_POOL_MAX;
+        if self.prealloc_len > 0 && within_budget && self.room_for_prealloc(dir) {
+            preallocate(&file, self.prealloc_len);
+        }
         Some(path)
+    }
+
+    fn room_for_prealloc(&self, dir: &Path) -> bool {
+        let Some((free, total)) = free_and_total(dir) else {
+            return false;
+        };
+        let pool = PREALLOC_POOL_MAX.min(self.prealloc_len.saturating_mul(self.target as u64));
+        let floor = PREALLOC_MIN_FREE.max(total / 20);
+        free > floor.saturating_add(pool)
     }
 
     /// Stops the filler loop.
@@ -151,6 +179,36 @@ impl SparePool {
     }
 }
 
+/// Free and total bytes of the file system holding `dir`.
+fn free_and_total(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable,
+    // properly sized statvfs the call fills in.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    let frsize = st.f_frsize as u64;
+    Some((
+        (st.f_bavail as u64).saturating_mul(frsize),
+        (st.f_blocks as u64).saturating_mul(frsize),
+    ))
+}
+
+/// Best effort: a file system without `fallocate` keeps the spare empty.
+fn preallocate(file: &std::fs::File, len: u64) {
+    use std::os::fd::AsRawFd;
+    let Ok(len) = libc::off_t::try_from(len) else {
+        return;
+    };
+    // SAFETY: plain syscall on a descriptor owned by `file`.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if r != 0 {
+        let _ = file.set_len(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,7 +217,12 @@ mod tests {
     #[test]
     fn fills_hands_out_and_discards() {
         let d = tempfile::tempdir().unwrap();
-        let pool = Arc::new(SparePool::new(&[d.path().to_path_buf()], 3, "1.1".into()));
+        let pool = Arc::new(SparePool::new(
+            &[d.path().to_path_buf()],
+            3,
+            "1.1".into(),
+            0,
+        ));
         let filler = {
             let p = pool.clone();
             std::thread::spawn(move || p.run())
@@ -180,5 +243,22 @@ mod tests {
             .unwrap()
             .collect();
         assert_eq!(left.len(), 1); // only the one we took
+    }
+
+    #[test]
+    fn preallocates_within_budget_when_there_is_room() {
+        let d = tempfile::tempdir().unwrap();
+        let len = 1 << 20;
+        let pool = SparePool::new(&[d.path().to_path_buf()], 4, "1.2".into(), len);
+        let dir = d.path().join(SPARE_DIR);
+        make_private_dir(&dir).unwrap();
+        let room = pool.room_for_prealloc(&dir);
+        let first = pool.create(&dir, 0).unwrap();
+        let expect = if room { len } else { 0 };
+        assert_eq!(std::fs::metadata(&first).unwrap().len(), expect);
+        // Past the byte budget, spares stay empty whatever the room.
+        let over = (PREALLOC_POOL_MAX / len) as usize;
+        let late = pool.create(&dir, over).unwrap();
+        assert_eq!(std::fs::metadata(&late).unwrap().len(), 0);
     }
 }
