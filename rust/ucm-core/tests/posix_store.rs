@@ -278,6 +278,59 @@ fn checksum_failure_is_a_load_error_and_clears_the_destination() {
 }
 
 #[test]
+fn whole_block_loads_verify_every_shard_of_the_coalesced_read() {
+    // A whole-block load reads the block's shards with one request; each
+    // shard is still verified on its own, and a file cut short fails the
+    // shards it no longer covers.
+    each_mode(|engine, direct| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+        let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
+        for b in [1, 2] {
+            let t = store
+                .dump((0..4).map(|s| bufs[s].shard(id(b), s)).collect(), 0)
+                .unwrap();
+            store.wait(t).unwrap();
+        }
+        let path = store.block_path(&id(1));
+        let mut raw = std::fs::read(&path).unwrap();
+        raw[store.layout().offset(2) as usize + 4096 + 5] ^= 0x01;
+        std::fs::write(&path, raw).unwrap();
+        let path2 = store.block_path(&id(2));
+        let cut = store.layout().offset(3) + 4096 + 10;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path2)
+            .unwrap()
+            .set_len(cut)
+            .unwrap();
+        for (b, what) in [(1, "checksum"), (2, "truncated")] {
+            let mut outs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, 50 + s, 0)).collect();
+            let shards = outs
+                .iter()
+                .enumerate()
+                .map(|(s, o)| o.shard(id(b), s))
+                .collect();
+            let t = store.load(shards).unwrap();
+            let err = store.wait(t).unwrap_err();
+            assert_eq!(err.code(), -50011, "{err}");
+            assert!(err.to_string().contains(what), "{err}");
+            let bad = if b == 1 { 2 } else { 3 };
+            for (s, o) in outs.iter_mut().enumerate() {
+                if s == bad {
+                    assert!(
+                        o.slice_mut().iter().all(|&x| x == 0),
+                        "shard {s} not cleared"
+                    );
+                } else {
+                    assert!(o.slice() == bufs[s].slice(), "shard {s} of block {b} wrong");
+                }
+            }
+        }
+    });
+}
+
+#[test]
 fn foreign_block_and_other_layout_are_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();

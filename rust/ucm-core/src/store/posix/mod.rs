@@ -266,6 +266,29 @@ impl PosixStore {
         let rt = self.runtime.lock();
         let rt = rt.as_ref().ok_or(UcmError::Closed)?;
         let task = self.shared.tasks.create(kind, shards.len());
+        if kind == "load" {
+            for run in load_runs(shards) {
+                let shared = self.shared.clone();
+                let engine = rt.engine.clone();
+                let job_task = task.clone();
+                let units = run.len();
+                let queued = rt.workers.spawn(move || {
+                    if job_task.should_skip() {
+                        for _ in 0..run.len() {
+                            job_task.skip_unit();
+                        }
+                        return;
+                    }
+                    shared.start_load_run(&engine, &job_task, run);
+                });
+                if !queued {
+                    for _ in 0..units {
+                        task.complete_unit(Err(UcmError::Closed));
+                    }
+                }
+            }
+            return Ok(task.id());
+        }
         for shard in shards {
             let shared = self.shared.clone();
             let engine = rt.engine.clone();
@@ -276,11 +299,7 @@ impl PosixStore {
                     job_task.skip_unit();
                     return;
                 }
-                let started = match kind {
-                    "load" => shared.start_load(&engine, &job_task, shard),
-                    _ => shared.start_dump(&engine, &job_task, shard),
-                };
-                if let Err(e) = started {
+                if let Err(e) = shared.start_dump(&engine, &job_task, shard) {
                     job_task.complete_unit(Err(e));
                 }
             });
@@ -344,36 +363,141 @@ impl Shared {
         }
     }
 
+    /// Pins `block` (so eviction leaves it alone) and opens its file.
+    fn open_for_load(&self, block: &BlockId) -> Result<(index::Pin, files::OpenFile)> {
+        let pin = match self.index.pin(block) {
+            Some(p) => p,
+            None if self.present(block) => self
+                .index
+                .pin(block)
+                .ok_or_else(|| UcmError::NotFound(format!("block {block}")))?,
+            None => {
+                return Err(UcmError::NotFound(format!(
+                    "block {block} is not in the store"
+                )))
+            }
+        };
+        match self.opener.read(&self.paths.block(block)) {
+            Ok(f) => Ok((pin, f)),
+            Err(e) => {
+                if e.code() == -50005 {
+                    // Evicted or deleted behind our back.
+                    self.index.remove(block);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Loads a run of adjacent shards of one block (see [`load_runs`]) with
+    /// one vectored read: one open, one request and one completion instead
+    /// of one per shard. Completes one unit of `task` per shard.
+    fn start_load_run(
+        self: &Arc<Self>,
+        engine: &Arc<dyn IoEngine>,
+        task: &Arc<Task>,
+        run: Vec<ShardIo>,
+    ) {
+        let single = |shared: &Arc<Self>, run: Vec<ShardIo>| {
+            for shard in run {
+                if let Err(e) = shared.start_load(engine, task, shard) {
+                    task.complete_unit(Err(e));
+                }
+            }
+        };
+        if run.len() < 2 {
+            return single(self, run);
+        }
+        let (pin, open) = match self.open_for_load(&run[0].block) {
+            Ok(p) => p,
+            Err(e) => {
+                for _ in 0..run.len() {
+                    task.complete_unit(Err(e.clone()));
+                }
+                return;
+            }
+        };
+        if open.direct && !run.iter().all(|s| self.align.fits(&s.segs)) {
+            // Unaligned caller memory bounces shard by shard.
+            drop((pin, open));
+            return single(self, run);
+        }
+        let size = self.layout.shard_size;
+        let region = HEADER_LEN + size;
+        let pad = self.padded() - size;
+        let n = run.len();
+        let mut heads = engine.bounce(HEADER_LEN * n);
+        // The padding between regions is read into (and overwritten in) one
+        // scratch buffer: it carries nothing.
+        let mut sink = (pad > 0).then(|| engine.bounce(pad));
+        let mut iov = Vec::with_capacity(n * (run[0].segs.len() + 2));
+        for (j, shard) in run.iter().enumerate() {
+            if j > 0 {
+                if let Some(sink) = sink.as_mut() {
+                    iov.push(MemSeg {
+                        addr: sink.as_mut_ptr() as usize,
+                        len: pad,
+                    });
+                }
+            }
+            iov.push(MemSeg {
+                addr: heads.as_mut_ptr() as usize + j * HEADER_LEN,
+                len: HEADER_LEN,
+            });
+            iov.extend_from_slice(&shard.segs);
+        }
+        let req = IoRequest {
+            op: IoOp::Read,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
+            offset: self.layout.offset(run[0].index),
+            iov,
+            fixed: None,
+        };
+        let stride = region + pad;
+        let shared = self.clone();
+        let task = task.clone();
+        self.begin_io();
+        engine.submit(
+            req,
+            Box::new(move |res| {
+                let outcomes: Vec<Result<()>> = run
+                    .iter()
+                    .enumerate()
+                    .map(|(j, shard)| {
+                        // What the read delivered of this shard's region.
+                        let got = match &res {
+                            Ok(n) => Ok(n.saturating_sub(j * stride).min(region)),
+                            Err(e) => Err(copy_io_error(e)),
+                        };
+                        let head = &heads[j * HEADER_LEN..(j + 1) * HEADER_LEN];
+                        shared.finish_load(shard, got, region, head, false, &task)
+                    })
+                    .collect();
+                drop(open);
+                drop(pin);
+                drop(heads);
+                drop(sink);
+                for outcome in outcomes {
+                    if outcome.is_ok() {
+                        shared
+                            .counters
+                            .shards_loaded
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    task.complete_unit(outcome);
+                }
+                shared.end_io();
+            }),
+        );
+    }
+
     fn start_load(
         self: &Arc<Self>,
         engine: &Arc<dyn IoEngine>,
         task: &Arc<Task>,
         shard: ShardIo,
     ) -> Result<()> {
-        let path = self.paths.block(&shard.block);
-        let pin = match self.index.pin(&shard.block) {
-            Some(p) => p,
-            None if self.present(&shard.block) => self
-                .index
-                .pin(&shard.block)
-                .ok_or_else(|| UcmError::NotFound(format!("block {}", shard.block)))?,
-            None => {
-                return Err(UcmError::NotFound(format!(
-                    "block {} is not in the store",
-                    shard.block
-                )))
-            }
-        };
-        let open = match self.opener.read(&path) {
-            Ok(f) => f,
-            Err(e) => {
-                if e.code() == -50005 {
-                    // Evicted or deleted behind our back.
-                    self.index.remove(&shard.block);
-                }
-                return Err(e);
-            }
-        };
+        let (pin, open) = self.open_for_load(&shard.block)?;
         let bounce_needed = open.direct && !self.align.fits(&shard.segs);
         let mut head = engine.bounce(if bounce_needed {
             HEADER_LEN + self.padded()
@@ -727,6 +851,46 @@ impl Shared {
     }
 }
 
+/// Most shards one coalesced read covers: a run needs up to three iovecs
+/// per shard plus the tensors, well under IOV_MAX (1024).
+const MAX_RUN_SHARDS: usize = 64;
+/// Most iovecs in one coalesced read.
+const MAX_RUN_IOVECS: usize = 1000;
+
+/// Splits a load into runs of consecutive shards of one block with
+/// consecutive indices (whole-block and multi-layer loads, which the
+/// connector submits block-major), each read with one request.
+fn load_runs(shards: Vec<ShardIo>) -> Vec<Vec<ShardIo>> {
+    let mut runs: Vec<Vec<ShardIo>> = Vec::new();
+    let mut iovecs = 0;
+    for shard in shards {
+        let cost = shard.segs.len() + 2;
+        if let Some(run) = runs.last_mut() {
+            let last = &run[run.len() - 1];
+            if last.block == shard.block
+                && last.index + 1 == shard.index
+                && run.len() < MAX_RUN_SHARDS
+                && iovecs + cost <= MAX_RUN_IOVECS
+            {
+                iovecs += cost;
+                run.push(shard);
+                continue;
+            }
+        }
+        iovecs = cost;
+        runs.push(vec![shard]);
+    }
+    runs
+}
+
+/// `std::io::Error` is not `Clone`; keeps the OS code where there is one.
+fn copy_io_error(e: &std::io::Error) -> std::io::Error {
+    match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
 impl Store for PosixStore {
     fn name(&self) -> &'static str {
         "Posix"
@@ -827,5 +991,49 @@ impl Store for PosixStore {
 impl Drop for PosixStore {
     fn drop(&mut self) {
         let _ = self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(block: u8, index: usize) -> ShardIo {
+        ShardIo {
+            block: BlockId([block; 16]),
+            index,
+            segs: vec![MemSeg { addr: 4096, len: 8 }],
+        }
+    }
+
+    #[test]
+    fn load_runs_group_adjacent_shards_of_one_block() {
+        let shape = |shards: Vec<ShardIo>| -> Vec<Vec<(u8, usize)>> {
+            load_runs(shards)
+                .into_iter()
+                .map(|r| r.iter().map(|s| (s.block.0[0], s.index)).collect())
+                .collect()
+        };
+        let got = shape(vec![
+            shard(1, 0),
+            shard(1, 1),
+            shard(1, 2),
+            shard(2, 3),
+            shard(2, 4),
+            shard(2, 6),
+            shard(2, 5),
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                vec![(1, 0), (1, 1), (1, 2)],
+                vec![(2, 3), (2, 4)],
+                vec![(2, 6)],
+                vec![(2, 5)],
+            ]
+        );
+        let long = shape((0..MAX_RUN_SHARDS + 3).map(|i| shard(3, i)).collect());
+        assert_eq!(long.len(), 2);
+        assert_eq!(long[0].len(), MAX_RUN_SHARDS);
     }
 }
