@@ -266,45 +266,36 @@ impl PosixStore {
         let rt = self.runtime.lock();
         let rt = rt.as_ref().ok_or(UcmError::Closed)?;
         let task = self.shared.tasks.create(kind, shards.len());
-        if kind == "load" {
-            for run in load_runs(shards) {
-                let shared = self.shared.clone();
-                let engine = rt.engine.clone();
-                let job_task = task.clone();
-                let units = run.len();
-                let queued = rt.workers.spawn(move || {
-                    if job_task.should_skip() {
-                        for _ in 0..run.len() {
-                            job_task.skip_unit();
-                        }
-                        return;
-                    }
-                    shared.start_load_run(&engine, &job_task, run);
-                });
-                if !queued {
-                    for _ in 0..units {
-                        task.complete_unit(Err(UcmError::Closed));
-                    }
-                }
-            }
-            return Ok(task.id());
-        }
-        for shard in shards {
+        let load = kind == "load";
+        let runs = if load {
+            load_runs(shards)
+        } else {
+            shards.into_iter().map(|s| vec![s]).collect()
+        };
+        for run in runs {
             let shared = self.shared.clone();
             let engine = rt.engine.clone();
-            let task = task.clone();
             let job_task = task.clone();
+            let units = run.len();
             let queued = rt.workers.spawn(move || {
                 if job_task.should_skip() {
-                    job_task.skip_unit();
-                    return;
-                }
-                if let Err(e) = shared.start_dump(&engine, &job_task, shard) {
-                    job_task.complete_unit(Err(e));
+                    for _ in 0..run.len() {
+                        job_task.skip_unit();
+                    }
+                } else if load {
+                    shared.start_load_run(&engine, &job_task, run);
+                } else {
+                    for shard in run {
+                        if let Err(e) = shared.start_dump(&engine, &job_task, shard) {
+                            job_task.complete_unit(Err(e));
+                        }
+                    }
                 }
             });
             if !queued {
-                task.complete_unit(Err(UcmError::Closed));
+                for _ in 0..units {
+                    task.complete_unit(Err(UcmError::Closed));
+                }
             }
         }
         Ok(task.id())
@@ -473,18 +464,9 @@ impl Shared {
                         shared.finish_load(shard, got, region, head, false, &task)
                     })
                     .collect();
-                drop(open);
-                drop(pin);
-                drop(heads);
-                drop(sink);
+                drop((open, pin, heads, sink));
                 for outcome in outcomes {
-                    if outcome.is_ok() {
-                        shared
-                            .counters
-                            .shards_loaded
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    task.complete_unit(outcome);
+                    shared.complete_load(&task, outcome);
                 }
                 shared.end_io();
             }),
@@ -536,20 +518,21 @@ impl Shared {
             Box::new(move |res| {
                 let outcome =
                     shared.finish_load(&shard, res, expected, &head[..], bounce_needed, &task);
-                drop(open);
-                drop(pin);
-                drop(head);
-                if outcome.is_ok() {
-                    shared
-                        .counters
-                        .shards_loaded
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                task.complete_unit(outcome);
+                drop((open, pin, head));
+                shared.complete_load(&task, outcome);
                 shared.end_io();
             }),
         );
         Ok(())
+    }
+
+    /// Counts and completes one loaded shard; callers release the file, pin
+    /// and buffers first, so a finished task leaves the block evictable.
+    fn complete_load(&self, task: &Task, outcome: Result<()>) {
+        if outcome.is_ok() {
+            self.counters.shards_loaded.fetch_add(1, Ordering::Relaxed);
+        }
+        task.complete_unit(outcome);
     }
 
     fn finish_load(
