@@ -67,14 +67,16 @@ pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
     let mut evicted = 0;
     for id in shared.index.coldest(used - target) {
         if shared.index.remove_if_unpinned(&id).is_some() {
+            // Counted with each removal, so stats never show a block gone
+            // from the index but not yet counted as evicted.
+            shared
+                .counters
+                .evictions
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let _ = std::fs::remove_file(shared.paths.block(&id));
             evicted += 1;
         }
     }
-    shared
-        .counters
-        .evictions
-        .fetch_add(evicted as u64, std::sync::atomic::Ordering::Relaxed);
     log::debug!(
         "evicted {evicted} block(s); {} byte(s) in use",
         shared.index.used_bytes()
