@@ -11,19 +11,20 @@
 
 #![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::remote::{
+    corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, TestServer, SHARD,
+    SHARDS,
+};
 use ucm_core::store::nfs::{NfsConfig, NfsStore};
 use ucm_core::store::Store;
-use ucm_core::{BlockId, MemSeg, ShardIo};
-
-const SHARD: usize = 16 * 1024;
-const SHARDS: usize = 4;
-const ALL: [usize; SHARDS] = [0, 1, 2, 3];
 
 fn which(bin: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
@@ -219,6 +220,29 @@ impl Ganesha {
     }
 }
 
+impl TestServer for Ganesha {
+    fn pause(&mut self) {
+        self.signal("-STOP");
+        if let Some(c) = &self.ganesha {
+            let _ = Command::new("ps")
+                .args(["-o", "pid,stat,comm", "-p", &c.id().to_string()])
+                .status();
+        }
+    }
+
+    fn resume(&mut self) {
+        self.signal("-CONT");
+    }
+
+    fn stop(&mut self) {
+        self.stop_server();
+    }
+
+    fn restart(&mut self) {
+        self.start_server();
+    }
+}
+
 impl Drop for Ganesha {
     fn drop(&mut self) {
         self.signal("-CONT");
@@ -241,61 +265,6 @@ fn config(target: &str) -> NfsConfig {
     }
 }
 
-fn id(n: u32) -> BlockId {
-    let mut b = [0xa5u8; 16];
-    b[..4].copy_from_slice(&n.to_le_bytes());
-    BlockId(b)
-}
-
-struct Blocks {
-    data: Vec<Vec<u8>>,
-}
-
-impl Blocks {
-    fn filled(ids: &[u32]) -> Self {
-        Blocks {
-            data: ids
-                .iter()
-                .map(|&b| {
-                    (0..SHARD * SHARDS)
-                        .map(|i| (i as u32).wrapping_mul(2246822519).wrapping_add(b) as u8)
-                        .collect()
-                })
-                .collect(),
-        }
-    }
-
-    fn zeroed(n: usize) -> Self {
-        Blocks {
-            data: vec![vec![0u8; SHARD * SHARDS]; n],
-        }
-    }
-
-    fn shards(&mut self, ids: &[u32], which: &[usize]) -> Vec<ShardIo> {
-        let mut out = Vec::new();
-        for (i, &b) in ids.iter().enumerate() {
-            for &s in which {
-                let base = self.data[i].as_mut_ptr() as usize + s * SHARD;
-                out.push(ShardIo {
-                    block: id(b),
-                    index: s,
-                    segs: vec![
-                        MemSeg {
-                            addr: base,
-                            len: SHARD / 2,
-                        },
-                        MemSeg {
-                            addr: base + SHARD / 2,
-                            len: SHARD / 2,
-                        },
-                    ],
-                });
-            }
-        }
-        out
-    }
-}
-
 fn temps(root: &Path) -> usize {
     std::fs::read_dir(root)
         .into_iter()
@@ -312,51 +281,19 @@ fn temps(root: &Path) -> usize {
 fn exercise(make: &dyn Fn() -> NfsStore, root: &Path) {
     let a = make();
     let b = make();
-    let ids = [1, 2, 3];
-    assert_eq!(a.lookup(&[id(1), id(2)]).unwrap(), vec![false, false]);
-    let mut src = Blocks::filled(&ids);
-    let t = a.dump(src.shards(&ids, &ALL), 0).unwrap();
-    a.wait(t).unwrap();
-    assert_eq!(
-        b.lookup(&[id(1), id(9), id(3)]).unwrap(),
-        vec![true, false, true]
-    );
-    assert_eq!(
-        b.lookup_on_prefix(&[id(1), id(2), id(9), id(3)]).unwrap(),
-        1
-    );
-    let mut dst = Blocks::zeroed(3);
-    let t = b.load(dst.shards(&ids, &ALL)).unwrap();
-    b.wait(t).unwrap();
-    assert_eq!(src.data, dst.data);
+    round_trip(&a, &b);
     // on disk: Posix block files, no temporaries left
     let file = root.join(NfsStore::block_rel_path(&id(1)));
     let bytes = std::fs::read(&file).expect("block file");
     assert_eq!(bytes.len() as u64, a.layout().file_len());
     assert_eq!(&bytes[..8], b"UCMKVBLK");
     assert_eq!(temps(root), 0);
-    // a missing block: NotFound
-    let mut none = Blocks::zeroed(1);
-    let t = b.load(none.shards(&[77], &[0])).unwrap();
-    assert_eq!(b.wait(t).unwrap_err().code(), -50005);
 
-    // layer-wise: one task per shard, out of order; invisible until whole
-    let ids = [10];
-    let mut src = Blocks::filled(&ids);
-    for s in [2, 0, 3] {
-        let t = a.dump(src.shards(&ids, &[s]), 0).unwrap();
-        a.wait(t).unwrap();
-        assert_eq!(b.lookup(&[id(10)]).unwrap(), vec![false]);
-    }
-    assert_eq!(temps(root), 1, "one temporary while assembling");
-    let t = a.dump(src.shards(&ids, &[1]), 0).unwrap();
-    a.wait(t).unwrap();
+    // layer-wise: invisible until whole, one temporary while assembling
+    dump_layer_wise(&a, &b, &[10], &|| {
+        assert_eq!(temps(root), 1, "one temporary while assembling");
+    });
     assert_eq!(temps(root), 0);
-    assert_eq!(b.lookup(&[id(10)]).unwrap(), vec![true]);
-    let mut dst = Blocks::zeroed(1);
-    let t = b.load(dst.shards(&ids, &[3, 1, 0, 2])).unwrap();
-    b.wait(t).unwrap();
-    assert_eq!(src.data, dst.data);
 
     // a corrupted file is refused (caller memory untouched) and removed
     let file = root.join(NfsStore::block_rel_path(&id(2)));
@@ -365,12 +302,8 @@ fn exercise(make: &dyn Fn() -> NfsStore, root: &Path) {
     bytes[off] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
     let c = make();
-    let mut dst = Blocks::zeroed(1);
-    let t = c.load(dst.shards(&[2], &[1])).unwrap();
-    assert_eq!(c.wait(t).unwrap_err().code(), -50011);
-    assert!(dst.data[0].iter().all(|&x| x == 0));
+    corrupt_load_is_refused(&c, 2, 1);
     assert!(!file.exists());
-    assert_eq!(c.lookup(&[id(2)]).unwrap(), vec![false]);
     for s in [a, b, c] {
         s.close().unwrap();
     }
@@ -416,60 +349,7 @@ fn ganesha_round_trip_faults_and_errors() {
     cfg.timeout_ms = 1500;
     cfg.lookup_cache_ttl_ms = 0;
     let s = NfsStore::open(cfg).expect("open");
-    let ids = [40];
-    let mut src = Blocks::filled(&ids);
-    let t = s.dump(src.shards(&ids, &ALL), 0).unwrap();
-    s.wait(t).unwrap();
-
-    // slow server: every call comes back within the timeouts
-    g.signal("-STOP");
-    if let Some(c) = &g.ganesha {
-        let _ = Command::new("ps")
-            .args(["-o", "pid,stat,comm", "-p", &c.id().to_string()])
-            .status();
-    }
-    let started = Instant::now();
-    let mut dst = Blocks::zeroed(1);
-    let t = s.load(dst.shards(&ids, &ALL)).unwrap();
-    let e = s.wait(t).unwrap_err();
-    assert!(matches!(e.code(), -50010 | -1), "{e}");
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "{:?}",
-        started.elapsed()
-    );
-    assert_eq!(s.lookup(&[id(40)]).unwrap(), vec![false]);
-    g.signal("-CONT");
-
-    // stopped server: failures, no hang; blocks survive its restart
-    g.stop_server();
-    let started = Instant::now();
-    let t = s.load(dst.shards(&ids, &ALL)).unwrap();
-    assert!(s.wait(t).is_err());
-    let mut more = Blocks::filled(&[41]);
-    let t = s.dump(more.shards(&[41], &ALL), 0).unwrap();
-    assert!(s.wait(t).is_err());
-    assert_eq!(s.lookup(&[id(40)]).unwrap(), vec![false]);
-    assert!(
-        started.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        started.elapsed()
-    );
-    g.start_server();
-    let until = Instant::now() + Duration::from_secs(15);
-    loop {
-        let t = s.dump(more.shards(&[41], &ALL), 0).unwrap();
-        if s.wait(t).is_ok() {
-            break;
-        }
-        assert!(Instant::now() < until, "dumps never recovered");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert_eq!(s.lookup(&[id(40), id(41)]).unwrap(), vec![true, true]);
-    let mut back = Blocks::zeroed(1);
-    let t = s.load(back.shards(&ids, &ALL)).unwrap();
-    s.wait(t).unwrap();
-    assert_eq!(back.data, src.data);
-    assert!(s.stats()["breaker_trips"] >= 1.0);
+    // blocks survive the server's restart
+    survive_outage(&s, &mut g, 40, 41, true, Duration::from_secs(15));
     s.close().unwrap();
 }

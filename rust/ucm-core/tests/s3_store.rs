@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -12,12 +14,14 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::remote::{
+    corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, Blocks, TestServer,
+    ALL, SHARD, SHARDS,
+};
 use ucm_core::store::s3::{S3Config, S3Store};
 use ucm_core::store::Store;
-use ucm_core::{BlockId, MemSeg, ShardIo};
+use ucm_core::{MemSeg, ShardIo};
 
-const SHARD: usize = 16 * 1024;
-const SHARDS: usize = 4;
 static BUCKETS: AtomicUsize = AtomicUsize::new(0);
 
 fn moto_binary() -> Option<PathBuf> {
@@ -181,6 +185,33 @@ impl Moto {
     }
 }
 
+/// The outage check's view of moto; `bucket` is recreated on restart.
+struct MotoOutage<'a> {
+    moto: &'a mut Moto,
+    bucket: String,
+}
+
+impl TestServer for MotoOutage<'_> {
+    fn pause(&mut self) {
+        self.moto.signal("-STOP");
+    }
+
+    fn resume(&mut self) {
+        self.moto.signal("-CONT");
+    }
+
+    fn stop(&mut self) {
+        self.moto.stop();
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    fn restart(&mut self) {
+        self.moto.restart();
+        let (status, _) = http(self.moto.port, "PUT", &format!("/{}", self.bucket), b"").unwrap();
+        assert_eq!(status, 200);
+    }
+}
+
 impl Drop for Moto {
     fn drop(&mut self) {
         self.signal("-CONT");
@@ -188,95 +219,12 @@ impl Drop for Moto {
     }
 }
 
-fn id(n: u32) -> BlockId {
-    let mut b = [0x5au8; 16];
-    b[..4].copy_from_slice(&n.to_le_bytes());
-    BlockId(b)
-}
-
-/// Host memory for `blocks` whole blocks, filled deterministically.
-struct Blocks {
-    data: Vec<Vec<u8>>,
-}
-
-impl Blocks {
-    fn filled(ids: &[u32]) -> Self {
-        let data = ids
-            .iter()
-            .map(|&b| {
-                (0..SHARD * SHARDS)
-                    .map(|i| (i as u32).wrapping_mul(2654435761).wrapping_add(b) as u8)
-                    .collect()
-            })
-            .collect();
-        Blocks { data }
-    }
-
-    fn zeroed(n: usize) -> Self {
-        Blocks {
-            data: vec![vec![0u8; SHARD * SHARDS]; n],
-        }
-    }
-
-    /// Shards of block `i` (id `ids[i]`) with the given indices.
-    fn shards(&mut self, ids: &[u32], which: &[usize]) -> Vec<ShardIo> {
-        let mut out = Vec::new();
-        for (i, &b) in ids.iter().enumerate() {
-            for &s in which {
-                let base = self.data[i].as_mut_ptr() as usize + s * SHARD;
-                out.push(ShardIo {
-                    block: id(b),
-                    index: s,
-                    segs: vec![
-                        MemSeg {
-                            addr: base,
-                            len: SHARD / 2,
-                        },
-                        MemSeg {
-                            addr: base + SHARD / 2,
-                            len: SHARD / 2,
-                        },
-                    ],
-                });
-            }
-        }
-        out
-    }
-}
-
-const ALL: [usize; SHARDS] = [0, 1, 2, 3];
-
 #[test]
 fn round_trip_lookup_and_layout() {
     let Some(moto) = Moto::start() else { return };
     let bucket = moto.bucket();
     let store = S3Store::open(moto.config(&bucket)).expect("open");
-    let ids = [1, 2, 3];
-    assert_eq!(store.lookup(&[id(1), id(2)]).unwrap(), vec![false, false]);
-    let mut src = Blocks::filled(&ids);
-    let t = store.dump(src.shards(&ids, &ALL), 0).unwrap();
-    store.wait(t).unwrap();
-    assert_eq!(
-        store.lookup(&[id(1), id(9), id(3)]).unwrap(),
-        vec![true, false, true]
-    );
-    assert_eq!(
-        store
-            .lookup_on_prefix(&[id(1), id(2), id(9), id(3)])
-            .unwrap(),
-        1
-    );
-    assert_eq!(store.lookup_on_prefix(&[]).unwrap(), -1);
-    let mut dst = Blocks::zeroed(3);
-    let t = store.load(dst.shards(&ids, &ALL)).unwrap();
-    store.wait(t).unwrap();
-    assert_eq!(src.data, dst.data);
-    // single shards, out of order, duplicated
-    let mut one = Blocks::zeroed(1);
-    let t = store.load(one.shards(&[2], &[3, 1, 3])).unwrap();
-    store.wait(t).unwrap();
-    assert_eq!(one.data[0][SHARD..2 * SHARD], src.data[1][SHARD..2 * SHARD]);
-    assert_eq!(one.data[0][3 * SHARD..], src.data[1][3 * SHARD..]);
+    round_trip(&store, &store);
     // The object is a Posix block file: header magic at every stride.
     let key = store.object_key(&id(1));
     let (status, body) = http(moto.port, "GET", &format!("/{bucket}/{key}"), b"").unwrap();
@@ -286,10 +234,6 @@ fn round_trip_lookup_and_layout() {
         let off = store.layout().offset(s) as usize;
         assert_eq!(&body[off..off + 8], b"UCMKVBLK");
     }
-    // a missing block fails the load with NotFound
-    let mut none = Blocks::zeroed(1);
-    let t = store.load(none.shards(&[77], &[0])).unwrap();
-    assert_eq!(store.wait(t).unwrap_err().code(), -50005);
     // repeated lookups are answered from the cache
     let heads = store.stats()["head_requests"];
     for _ in 0..5 {
@@ -307,27 +251,11 @@ fn layer_wise_shards_publish_whole_blocks_only() {
     let writer = S3Store::open(moto.config(&bucket)).expect("open");
     let reader = S3Store::open(moto.config(&bucket)).expect("open");
     let ids = [10, 11];
-    let mut src = Blocks::filled(&ids);
-    // one task per layer (shard), last layer first
-    for s in [3, 0, 2] {
-        let t = writer.dump(src.shards(&ids, &[s]), 0).unwrap();
-        writer.wait(t).unwrap();
-        assert_eq!(
-            reader.lookup(&[id(10), id(11)]).unwrap(),
-            vec![false, false]
-        );
-    }
-    assert_eq!(writer.stats()["staged_blocks"], 2.0);
-    let t = writer.dump(src.shards(&ids, &[1]), 0).unwrap();
-    writer.wait(t).unwrap();
+    let mut src = dump_layer_wise(&writer, &reader, &ids, &|| {
+        assert_eq!(writer.stats()["staged_blocks"], 2.0);
+    });
     assert_eq!(writer.stats()["staged_blocks"], 0.0);
     assert_eq!(writer.stats()["put_requests"], 2.0);
-    // another engine (another node) sees the blocks and reads them back
-    assert_eq!(reader.lookup(&[id(10), id(11)]).unwrap(), vec![true, true]);
-    let mut dst = Blocks::zeroed(2);
-    let t = reader.load(dst.shards(&ids, &ALL)).unwrap();
-    reader.wait(t).unwrap();
-    assert_eq!(src.data, dst.data);
     // dumping a block it already wrote is free
     let puts = writer.stats()["put_requests"];
     let t = writer.dump(src.shards(&ids, &ALL), 0).unwrap();
@@ -350,16 +278,8 @@ fn corrupt_and_foreign_objects_are_detected() {
     body[off] ^= 0xff;
     let (status, _) = http(moto.port, "PUT", &format!("/{bucket}/{key}"), &body).unwrap();
     assert_eq!(status, 200);
-    let mut dst = Blocks::zeroed(1);
-    let t = store.load(dst.shards(&ids, &[2])).unwrap();
-    let e = store.wait(t).unwrap_err();
-    assert_eq!(e.code(), -50011, "{e}");
-    assert!(
-        dst.data[0].iter().all(|&b| b == 0),
-        "no corrupt bytes delivered"
-    );
-    // the corrupt object was removed, so the block reads as absent
-    assert_eq!(store.lookup(&[id(20)]).unwrap(), vec![false]);
+    // the corrupt object is refused, and removed
+    corrupt_load_is_refused(&store, 20, 2);
     // a store with another tensor layout refuses the block without deleting it
     let t = store.dump(src.shards(&ids, &ALL), 0).unwrap();
     store.wait(t).unwrap();
@@ -415,55 +335,10 @@ fn server_outage_and_slow_server() {
     cfg.retries = 1;
     cfg.lookup_cache_ttl_ms = 0;
     let store = S3Store::open(cfg).expect("open");
-    let ids = [30];
-    let mut src = Blocks::filled(&ids);
-    let t = store.dump(src.shards(&ids, &ALL), 0).unwrap();
-    store.wait(t).unwrap();
-
-    // Slow server: it stops answering; every call returns within timeout_ms.
-    moto.signal("-STOP");
-    let started = Instant::now();
-    let mut dst = Blocks::zeroed(1);
-    let t = store.load(dst.shards(&ids, &ALL)).unwrap();
-    let e = store.wait(t).unwrap_err();
-    assert!(
-        started.elapsed() < Duration::from_millis(4000),
-        "{:?}",
-        started.elapsed()
-    );
-    assert!(matches!(e.code(), -50010 | -1), "{e}");
-    assert_eq!(store.lookup(&[id(30)]).unwrap(), vec![false]);
-    moto.signal("-CONT");
-
-    // Stopped server: loads and dumps fail (no hang, no crash), lookups miss.
-    moto.stop();
-    std::thread::sleep(Duration::from_millis(300));
-    let started = Instant::now();
-    let t = store.load(dst.shards(&ids, &ALL)).unwrap();
-    assert!(store.wait(t).is_err());
-    let mut more = Blocks::filled(&[31]);
-    let t = store.dump(more.shards(&[31], &ALL), 0).unwrap();
-    assert!(store.wait(t).is_err());
-    assert_eq!(store.lookup(&[id(30), id(31)]).unwrap(), vec![false, false]);
-    assert!(started.elapsed() < Duration::from_secs(8));
-    assert!(store.stats()["breaker_trips"] >= 1.0);
-
-    // Back again (empty: moto keeps data in memory): dumps go through.
-    moto.restart();
-    let (status, _) = http(moto.port, "PUT", &format!("/{bucket}"), b"").unwrap();
-    assert_eq!(status, 200);
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let t = store.dump(more.shards(&[31], &ALL), 0).unwrap();
-        if store.wait(t).is_ok() {
-            break;
-        }
-        assert!(Instant::now() < until, "dumps never recovered");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert_eq!(store.lookup(&[id(31)]).unwrap(), vec![true]);
-    let mut back = Blocks::zeroed(1);
-    let t = store.load(back.shards(&[31], &ALL)).unwrap();
-    store.wait(t).unwrap();
-    assert_eq!(back.data, more.data);
+    // Back again empty (moto keeps data in memory).
+    let mut server = MotoOutage {
+        moto: &mut moto,
+        bucket,
+    };
+    survive_outage(&store, &mut server, 30, 31, false, Duration::from_secs(10));
 }

@@ -407,9 +407,7 @@ impl PyStore {
         lens: Vec<u64>,
         offsets: Vec<u64>,
     ) -> PyResult<u64> {
-        let ids = parse_ids(block_ids)?;
-        let idx = parse_indices(shard_index, ids.len())?;
-        let shards = shards_from_segs(ids, idx, ptrs, lens, offsets)?;
+        let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
         let store = self.store.clone();
         py.detach(move || store.load(shards)).py_err()
     }
@@ -427,9 +425,7 @@ impl PyStore {
         offsets: Vec<u64>,
         prerequisite_handle: u64,
     ) -> PyResult<u64> {
-        let ids = parse_ids(block_ids)?;
-        let idx = parse_indices(shard_index, ids.len())?;
-        let shards = shards_from_segs(ids, idx, ptrs, lens, offsets)?;
+        let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
         let store = self.store.clone();
         py.detach(move || store.dump(shards, prerequisite_handle))
             .py_err()
@@ -524,6 +520,20 @@ impl PyStore {
             .as_ref()
             .map(|p| p.block_path(&id).display().to_string()))
     }
+}
+
+/// The shards named by `block_ids` / `shard_index`, with segments in CSR
+/// form (`load_segs` / `dump_segs`).
+fn seg_shards(
+    block_ids: &Bound<'_, PyAny>,
+    shard_index: &Bound<'_, PyAny>,
+    ptrs: Vec<u64>,
+    lens: Vec<u64>,
+    offsets: Vec<u64>,
+) -> PyResult<Vec<ShardIo>> {
+    let ids = parse_ids(block_ids)?;
+    let idx = parse_indices(shard_index, ids.len())?;
+    shards_from_segs(ids, idx, ptrs, lens, offsets)
 }
 
 impl PyStore {

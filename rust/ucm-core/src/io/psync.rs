@@ -438,7 +438,6 @@ pub(crate) mod test_support {
                 let e = Arc::clone(&e);
                 let f = Arc::clone(&f);
                 s.spawn(move || {
-                    let fd = f.as_raw_fd();
                     let bufs: Vec<AlignedBuf> = (0..PER)
                         .map(|i| {
                             let mut b = AlignedBuf::new(LEN);
@@ -446,46 +445,27 @@ pub(crate) mod test_support {
                             b
                         })
                         .collect();
-                    let (tx, rx) = crossbeam_channel::unbounded();
-                    for (i, b) in bufs.iter().enumerate() {
-                        let tx = tx.clone();
-                        let off = ((t * PER + i) * LEN) as u64;
-                        e.submit(
-                            IoRequest {
-                                op: IoOp::Write,
-                                fd,
-                                offset: off,
-                                iov: vec![b.as_seg()],
-                                fixed: None,
-                            },
-                            Box::new(move |r| {
-                                let _ = tx.send(r);
-                            }),
-                        );
-                    }
-                    for _ in 0..PER {
-                        assert_eq!(rx.recv().expect("completion").expect("write"), LEN);
-                    }
+                    // One `op` request per buffer (buffer i at this thread's
+                    // i-th slot), all in flight at once, then every completion.
+                    let submit_all = |op: IoOp, bufs: &[AlignedBuf], what: &str| {
+                        let (tx, rx) = crossbeam_channel::unbounded();
+                        for (i, b) in bufs.iter().enumerate() {
+                            let tx = tx.clone();
+                            let off = ((t * PER + i) * LEN) as u64;
+                            e.submit(
+                                req(op, &f, off, vec![b.as_seg()]),
+                                Box::new(move |r| {
+                                    let _ = tx.send(r);
+                                }),
+                            );
+                        }
+                        for _ in 0..bufs.len() {
+                            assert_eq!(rx.recv().expect("completion").expect(what), LEN);
+                        }
+                    };
+                    submit_all(IoOp::Write, &bufs, "write");
                     let outs: Vec<AlignedBuf> = (0..PER).map(|_| AlignedBuf::new(LEN)).collect();
-                    for (i, b) in outs.iter().enumerate() {
-                        let tx = tx.clone();
-                        let off = ((t * PER + i) * LEN) as u64;
-                        e.submit(
-                            IoRequest {
-                                op: IoOp::Read,
-                                fd,
-                                offset: off,
-                                iov: vec![b.as_seg()],
-                                fixed: None,
-                            },
-                            Box::new(move |r| {
-                                let _ = tx.send(r);
-                            }),
-                        );
-                    }
-                    for _ in 0..PER {
-                        assert_eq!(rx.recv().expect("completion").expect("read"), LEN);
-                    }
+                    submit_all(IoOp::Read, &outs, "read");
                     for (i, b) in outs.iter().enumerate() {
                         assert_eq!(&b[..], &bufs[i][..], "thread {t} request {i}");
                     }

@@ -17,6 +17,7 @@ pub mod empty;
 pub mod nfs;
 pub mod pipeline;
 pub mod posix;
+pub mod remote;
 pub mod s3;
 
 pub use cache::{CacheConfig, CacheStore};

@@ -52,7 +52,7 @@ pub use config::{MountOptions, NfsConfig, Target};
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -60,20 +60,14 @@ use nfs3_client::nfs3_types::nfs3::writeverf3;
 use parking_lot::Mutex;
 
 use self::fs::{Fs, LocalFs, RemoteFs, TempFile};
-use super::s3::codec::{
-    block_key, check_shards, decode_region, encode_region, is_layout_mismatch, read_len, runs,
-};
-use super::s3::shared::{
-    group_by_block, probe_all, probe_prefix, run_blocking, spawn_unit, Breaker, LookupCache,
-    Runtime, Unit,
-};
-use super::{Store, StoreStats};
+use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
+use super::s3::codec::{block_key, encode_region, is_layout_mismatch};
+use super::s3::shared::{run_blocking, Breaker, LookupCache, Runtime};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
 use crate::store::posix::index::IdHasher;
 use crate::store::posix::layout::Layout;
-use crate::task::{TaskId, TaskRegistry};
 
 type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
 
@@ -103,30 +97,22 @@ struct AsmState {
     published: bool,
 }
 
+/// Counters of the NFS backend (the shell counts lookups and loads).
 #[derive(Default)]
 struct Counters {
-    lookups: AtomicU64,
-    probes: AtomicU64,
-    shards_loaded: AtomicU64,
-    bytes_loaded: AtomicU64,
     shards_dumped: AtomicU64,
-    bytes_dumped: AtomicU64,
     blocks_published: AtomicU64,
     publish_failures: AtomicU64,
-    corrupt_loads: AtomicU64,
     abandoned: AtomicU64,
 }
 
-struct Shared {
-    cfg: NfsConfig,
-    layout: Layout,
+/// The NFS side of an [`NfsStore`]: the export (built-in client or kernel
+/// mount) and the blocks being assembled in temporary files.
+pub struct NfsBackend {
+    core: RemoteCore,
     fs: Fs,
     label: String,
     read_only: bool,
-    handle: tokio::runtime::Handle,
-    tasks: TaskRegistry,
-    cache: LookupCache,
-    breaker: Arc<Breaker>,
     assemblies: Mutex<IdMap<Arc<Assembly>>>,
     token: String,
     seq: AtomicU64,
@@ -135,11 +121,7 @@ struct Shared {
 }
 
 /// Blocks as files on an NFS export.
-pub struct NfsStore {
-    shared: Arc<Shared>,
-    runtime: Mutex<Option<Runtime>>,
-    closed: AtomicBool,
-}
+pub type NfsStore = RemoteStore<NfsBackend>;
 
 fn writer_token() -> String {
     let mut b = [0u8; 8];
@@ -156,7 +138,7 @@ fn writer_token() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-impl NfsStore {
+impl RemoteStore<NfsBackend> {
     /// Validates `cfg`, connects (mounting with the built-in client, or
     /// checking the mounted directory) and creates the block directories
     /// when transfers are enabled.
@@ -244,26 +226,32 @@ impl NfsStore {
                 )));
             }
         }
-        let shared = Arc::new(Shared {
-            tasks: TaskRegistry::new(cfg.timeout_ms),
-            cache: LookupCache::new(ttl, Duration::ZERO, 1 << 20),
+        // Absent results are never cached: a block another engine publishes
+        // is seen by the next lookup.
+        let core = RemoteCore::new(
+            layout,
+            handle,
+            LookupCache::new(ttl, Duration::ZERO, 1 << 20),
             breaker,
+            cfg.timeout_ms,
+            cfg.max_concurrency,
+            cfg.transfers_enabled(),
+        );
+        let shared = Arc::new(NfsBackend {
+            core,
             assemblies: Mutex::new(IdMap::default()),
             token: writer_token(),
             seq: AtomicU64::new(0),
             last_sweep: Mutex::new(Instant::now()),
             counters: Counters::default(),
             read_only,
-            layout,
             fs,
             label,
-            handle,
-            cfg,
         });
         if !read_only {
             if let Fs::Remote(_) = &shared.fs {
                 let s = shared.clone();
-                let made = run_blocking(&shared.handle, async move {
+                let made = run_blocking(&shared.core.handle, async move {
                     match &s.fs {
                         Fs::Remote(r) => r.create_dirs().await,
                         Fs::Local(_) => Ok(()),
@@ -279,16 +267,7 @@ impl NfsStore {
                 }
             }
         }
-        Ok(NfsStore {
-            shared,
-            runtime: Mutex::new(Some(runtime)),
-            closed: AtomicBool::new(false),
-        })
-    }
-
-    /// The file layout in use.
-    pub fn layout(&self) -> &Layout {
-        &self.shared.layout
+        Ok(RemoteStore::new(shared, runtime))
     }
 
     /// A block's path relative to the store's root (for tools and tests).
@@ -296,120 +275,9 @@ impl NfsStore {
         let (d, n) = block_key(id);
         format!("{d}/{n}")
     }
-
-    fn check_transfer(&self, shards: &[ShardIo], dump: bool) -> Result<()> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
-        }
-        if !self.shared.cfg.transfers_enabled() {
-            return Err(UcmError::Unsupported(
-                "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
-            ));
-        }
-        if dump && self.shared.read_only {
-            return Err(UcmError::Unsupported(format!(
-                "{} is mounted read-only (nfs_mount_options ro)",
-                self.shared.label
-            )));
-        }
-        check_shards(&self.shared.layout, shards)
-    }
-
-    fn deadline(&self) -> Option<tokio::time::Instant> {
-        (self.shared.cfg.timeout_ms > 0).then(|| {
-            tokio::time::Instant::now() + Duration::from_millis(self.shared.cfg.timeout_ms)
-        })
-    }
 }
 
-impl Shared {
-    async fn present(self: Arc<Self>, id: BlockId) -> bool {
-        if self.cache.get(&id) == Some(true) {
-            return true;
-        }
-        if self.breaker.is_open() {
-            return false;
-        }
-        self.counters.probes.fetch_add(1, Ordering::Relaxed);
-        match self.fs.size_of(&id).await {
-            Ok(Some(size)) if size == self.layout.file_len() => {
-                self.cache.put(id, true);
-                true
-            }
-            Ok(_) => false,
-            Err(e) => {
-                log::debug!("lookup of block {id} counted as a miss: {e}");
-                false
-            }
-        }
-    }
-
-    async fn load_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
-        self.breaker.check(&format!("load of block {block}"))?;
-        let mut idx: Vec<usize> = shards.iter().map(|s| s.index).collect();
-        idx.sort_unstable();
-        let stride = self.layout.stride;
-        let reads = runs(&idx).into_iter().map(|(first, n)| {
-            let s = self.clone();
-            async move {
-                let len = (n - 1) * stride + read_len(&s.layout);
-                let r = s.fs.read(&block, s.layout.offset(first), len).await;
-                (first, n, r)
-            }
-        });
-        let fetched = futures::future::join_all(reads).await;
-        let mut regions = Vec::with_capacity(fetched.len());
-        for (first, n, r) in fetched {
-            match r {
-                Ok(b) => regions.push((first, n, b)),
-                Err(e) => {
-                    if e.code() == -50005 {
-                        self.cache.forget(&block);
-                        return Err(UcmError::NotFound(format!(
-                            "block {block} is not in {}",
-                            self.label
-                        )));
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        let region_of = |index: usize| -> Option<&[u8]> {
-            regions.iter().find_map(|(first, n, b)| {
-                (index >= *first && index < first + n).then(|| {
-                    let off = (index - first) * stride;
-                    &b[off.min(b.len())..]
-                })
-            })
-        };
-        for s in &shards {
-            let raw = region_of(s.index).ok_or_else(|| {
-                UcmError::TaskFailed(format!("block {block} shard {}: not read", s.index))
-            })?;
-            // SAFETY: the caller keeps the segments valid until its task
-            // completes, which happens after this returns.
-            if let Err(e) = unsafe { decode_region(&self.layout, s, raw) } {
-                self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
-                self.cache.forget(&block);
-                self.fs.forget(&block);
-                if !is_layout_mismatch(&e) && !self.read_only {
-                    log::warn!("{e}; removing the block file from {}", self.label);
-                    let _ = self.fs.remove(&block, &block.hex()).await;
-                }
-                return Err(e);
-            }
-            self.counters.shards_loaded.fetch_add(1, Ordering::Relaxed);
-            self.counters
-                .bytes_loaded
-                .fetch_add(self.layout.shard_size as u64, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
-    fn stale_after(&self) -> Duration {
-        Duration::from_millis((self.cfg.timeout_ms * 2).max(60_000))
-    }
-
+impl NfsBackend {
     /// Abandons assemblies nobody added a shard to for a long time.
     fn sweep(self: &Arc<Self>) {
         {
@@ -419,7 +287,7 @@ impl Shared {
             }
             *last = Instant::now();
         }
-        let limit = self.stale_after();
+        let limit = self.core.stale_after();
         let mut dropped = Vec::new();
         self.assemblies.lock().retain(|id, a| {
             let mut st = a.state.lock();
@@ -445,7 +313,7 @@ impl Shared {
                 self.label
             );
             let s = self.clone();
-            self.handle.spawn(async move {
+            self.core.handle.spawn(async move {
                 for (id, tmp) in dropped {
                     let _ = s.fs.remove(&id, &tmp).await;
                 }
@@ -464,7 +332,7 @@ impl Shared {
             tmp: format!("{}.tmp.{}.{seq}", block.hex(), self.token),
             file: tokio::sync::OnceCell::new(),
             state: Mutex::new(AsmState {
-                slots: vec![Slot::Empty; self.layout.shard_count],
+                slots: vec![Slot::Empty; self.core.layout.shard_count],
                 done: 0,
                 failed: None,
                 verf: None,
@@ -504,8 +372,10 @@ impl Shared {
         }
     }
 
-    async fn dump_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
-        if self.cache.get(&block) == Some(true) {
+    /// Writes shards of one block into its temporary file; the unit that
+    /// completes the block publishes it.
+    async fn assemble(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
+        if self.core.cache.get(&block) == Some(true) {
             // Content-addressed: the published block holds these bytes.
             return Ok(());
         }
@@ -513,7 +383,7 @@ impl Shared {
         // Claim the shards nobody wrote yet and copy them out of caller
         // memory right away (no await before: a cancelled unit never reads
         // caller memory later).
-        let stride = self.layout.stride;
+        let stride = self.core.layout.stride;
         let mut mine: Vec<(usize, Arc<AlignedBuf>)> = Vec::new();
         let mut others = Vec::new();
         let restart = {
@@ -534,7 +404,7 @@ impl Shared {
                             let mut buf = AlignedBuf::new(stride);
                             // SAFETY: the caller keeps the segments valid until
                             // its task completes; `buf` is one region long.
-                            unsafe { encode_region(&self.layout, s, &mut buf) };
+                            unsafe { encode_region(&self.core.layout, s, &mut buf) };
                             mine.push((s.index, Arc::new(buf)));
                         }
                     }
@@ -544,10 +414,10 @@ impl Shared {
         };
         if restart {
             // Published or failed meanwhile.
-            if self.cache.get(&block) == Some(true) {
+            if self.core.cache.get(&block) == Some(true) {
                 return Ok(());
             }
-            return Box::pin(self.clone().dump_group(block, shards)).await;
+            return Box::pin(self.clone().assemble(block, shards)).await;
         }
         if !mine.is_empty() {
             let file = a
@@ -570,7 +440,7 @@ impl Shared {
                 let s = self.clone();
                 let file = file.clone();
                 let buf = buf.clone();
-                let off = self.layout.offset(*index);
+                let off = self.core.layout.offset(*index);
                 async move { s.fs.write(&file, off, buf).await }
             });
             let results = futures::future::join_all(writes).await;
@@ -625,13 +495,14 @@ impl Shared {
                         }
                         self.forget_assembly(&block, &a);
                         a.changed.notify_waiters();
-                        self.cache.put(block, true);
+                        self.core.cache.put(block, true);
                         self.counters
                             .blocks_published
                             .fetch_add(1, Ordering::Relaxed);
-                        self.counters
+                        self.core
+                            .counters
                             .bytes_dumped
-                            .fetch_add(self.layout.file_len(), Ordering::Relaxed);
+                            .fetch_add(self.core.layout.file_len(), Ordering::Relaxed);
                         Ok(())
                     }
                     Err(e) => {
@@ -661,96 +532,53 @@ impl Shared {
     }
 }
 
-impl Store for NfsStore {
-    fn name(&self) -> &'static str {
-        "NFS"
+impl RemoteBackend for NfsBackend {
+    const NAME: &'static str = "NFS";
+    const PROBE_STAT: &'static str = "lookup_requests";
+    type Region = Vec<u8>;
+
+    fn core(&self) -> &RemoteCore {
+        &self.core
     }
 
-    fn lookup(&self, ids: &[BlockId]) -> Result<Vec<bool>> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
-        }
-        let s = self.shared.clone();
-        s.counters.lookups.fetch_add(1, Ordering::Relaxed);
-        let ids = ids.to_vec();
-        let conc = s.cfg.max_concurrency;
-        run_blocking(&s.handle.clone(), async move {
-            probe_all(ids, conc, |id| s.clone().present(id)).await
-        })
+    fn location(&self) -> &str {
+        &self.label
     }
 
-    fn lookup_on_prefix(&self, ids: &[BlockId]) -> Result<isize> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
-        }
-        let s = self.shared.clone();
-        s.counters.lookups.fetch_add(1, Ordering::Relaxed);
-        let ids = ids.to_vec();
-        let conc = s.cfg.max_concurrency;
-        run_blocking(&s.handle.clone(), async move {
-            probe_prefix(ids, conc, |id| s.clone().present(id)).await
-        })
-    }
-
-    fn prefetch(&self, _ids: &[BlockId]) -> Result<()> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
+    fn check_dump(&self) -> Result<()> {
+        if self.read_only {
+            return Err(UcmError::Unsupported(format!(
+                "{} is mounted read-only (nfs_mount_options ro)",
+                self.label
+            )));
         }
         Ok(())
     }
 
-    fn load(&self, shards: Vec<ShardIo>) -> Result<TaskId> {
-        self.check_transfer(&shards, false)?;
-        let task = self.shared.tasks.create("load", shards.len());
-        let deadline = self.deadline();
-        for (block, group) in group_by_block(shards, |s| s.block) {
-            let unit = Unit::new(task.clone(), group.len());
-            let fut = self.shared.clone().load_group(block, group);
-            spawn_unit(
-                &self.shared.handle,
-                unit,
-                deadline,
-                format!("NFS load of block {block}"),
-                fut,
-            );
+    /// One LOOKUP (its attributes give the size).
+    async fn size_of(&self, id: &BlockId) -> Result<Option<u64>> {
+        self.fs.size_of(id).await
+    }
+
+    async fn read(&self, id: &BlockId, offset: u64, len: usize) -> Result<Vec<u8>> {
+        self.fs.read(id, offset, len).await
+    }
+
+    async fn discard_corrupt(&self, id: &BlockId, e: &UcmError) {
+        self.fs.forget(id);
+        if !is_layout_mismatch(e) && !self.read_only {
+            log::warn!("{e}; removing the block file from {}", self.label);
+            let _ = self.fs.remove(id, &id.hex()).await;
         }
-        Ok(task.id())
     }
 
-    fn dump(&self, shards: Vec<ShardIo>, _prerequisite: u64) -> Result<TaskId> {
-        self.check_transfer(&shards, true)?;
-        let task = self.shared.tasks.create("dump", shards.len());
-        let deadline = self.deadline();
-        for (block, group) in group_by_block(shards, |s| s.block) {
-            let unit = Unit::new(task.clone(), group.len());
-            let fut = self.shared.clone().dump_group(block, group);
-            spawn_unit(
-                &self.shared.handle,
-                unit,
-                deadline,
-                format!("NFS dump of block {block}"),
-                fut,
-            );
-        }
-        Ok(task.id())
+    async fn dump_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
+        self.assemble(block, shards).await
     }
 
-    fn wait(&self, task: TaskId) -> Result<()> {
-        self.shared.tasks.wait(task)
-    }
-
-    fn check(&self, task: TaskId) -> Result<bool> {
-        self.shared.tasks.check(task)
-    }
-
-    fn close(&self) -> Result<()> {
-        self.closed.store(true, Ordering::Release);
-        let Some(rt) = self.runtime.lock().take() else {
-            return Ok(());
-        };
+    fn before_shutdown(self: &Arc<Self>) {
         // Remove the temporaries of blocks that will never complete.
         let pending: Vec<(BlockId, String)> = self
-            .shared
             .assemblies
             .lock()
             .drain()
@@ -761,8 +589,8 @@ impl Store for NfsStore {
                 "NFS store closed with {} partially dumped block(s); they are dropped",
                 pending.len()
             );
-            let s = self.shared.clone();
-            let _ = run_blocking(&self.shared.handle, async move {
+            let s = self.clone();
+            let _ = run_blocking(&self.core.handle, async move {
                 let removals = pending.iter().map(|(id, tmp)| s.fs.remove(id, tmp));
                 let _ = tokio::time::timeout(
                     Duration::from_secs(2),
@@ -771,22 +599,11 @@ impl Store for NfsStore {
                 .await;
             });
         }
-        rt.shutdown(Duration::from_secs(2));
-        Ok(())
     }
 
-    fn stats(&self) -> StoreStats {
-        let c = &self.shared.counters;
-        let mut s = StoreStats::new();
-        let mut put = |k: &str, v: u64| {
-            s.insert(k.to_string(), v as f64);
-        };
-        put("lookups", c.lookups.load(Ordering::Relaxed));
-        put("lookup_requests", c.probes.load(Ordering::Relaxed));
-        put("shards_loaded", c.shards_loaded.load(Ordering::Relaxed));
-        put("bytes_loaded", c.bytes_loaded.load(Ordering::Relaxed));
+    fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {
+        let c = &self.counters;
         put("shards_dumped", c.shards_dumped.load(Ordering::Relaxed));
-        put("bytes_dumped", c.bytes_dumped.load(Ordering::Relaxed));
         put(
             "blocks_published",
             c.blocks_published.load(Ordering::Relaxed),
@@ -795,25 +612,10 @@ impl Store for NfsStore {
             "publish_failures",
             c.publish_failures.load(Ordering::Relaxed),
         );
-        put("corrupt_loads", c.corrupt_loads.load(Ordering::Relaxed));
         put("abandoned_blocks", c.abandoned.load(Ordering::Relaxed));
-        put("breaker_trips", self.shared.breaker.trips());
-        put(
-            "assembling_blocks",
-            self.shared.assemblies.lock().len() as u64,
-        );
-        if let Fs::Remote(r) = &self.shared.fs {
+        put("assembling_blocks", self.assemblies.lock().len() as u64);
+        if let Fs::Remote(r) = &self.fs {
             put("reconnects", r.client.reconnects());
         }
-        let (hit, miss) = self.shared.cache.counts();
-        put("lookup_cache_hits", hit);
-        put("lookup_cache_misses", miss);
-        s
-    }
-}
-
-impl Drop for NfsStore {
-    fn drop(&mut self) {
-        let _ = self.close();
     }
 }

@@ -63,7 +63,7 @@ pub use config::{S3Config, S3Location};
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,17 +76,13 @@ use object_store::{
 };
 use parking_lot::Mutex;
 
-use self::codec::{check_shards, decode_region, encode_region, is_layout_mismatch, read_len};
-use self::shared::{
-    group_by_block, probe_all, probe_prefix, run_blocking, spawn_unit, Breaker, LookupCache,
-    Runtime, Unit,
-};
-use super::{Store, StoreStats};
+use self::codec::{encode_region, is_layout_mismatch};
+use self::shared::{run_blocking, Breaker, LookupCache, Runtime};
+use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::store::posix::index::IdHasher;
 use crate::store::posix::layout::Layout;
-use crate::task::{TaskId, TaskRegistry};
 
 type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
 type Upload = SharedFuture<BoxFuture<'static, Result<()>>>;
@@ -101,32 +97,27 @@ struct Staged {
     closed: bool,
 }
 
+/// Counters of the S3 backend (the shell counts lookups and loads).
 #[derive(Default)]
 struct Counters {
-    lookups: AtomicU64,
-    heads: AtomicU64,
     gets: AtomicU64,
     puts: AtomicU64,
-    bytes_loaded: AtomicU64,
-    bytes_dumped: AtomicU64,
-    shards_loaded: AtomicU64,
     blocks_uploaded: AtomicU64,
     upload_failures: AtomicU64,
-    corrupt_loads: AtomicU64,
     request_errors: AtomicU64,
     stale_dropped: AtomicU64,
 }
 
-struct Shared {
+/// The S3 side of an [`S3Store`]: the bucket client, the staging of
+/// layer-wise dumps and the uploads in flight.
+pub struct S3Backend {
+    core: RemoteCore,
     cfg: S3Config,
     loc: S3Location,
-    layout: Layout,
+    /// `s3://bucket/prefix`, for messages.
+    location: String,
     client: Arc<AmazonS3>,
     prefix: ObjPath,
-    handle: tokio::runtime::Handle,
-    tasks: TaskRegistry,
-    cache: LookupCache,
-    breaker: Breaker,
     limiter: tokio::sync::Semaphore,
     staging: Mutex<IdMap<Arc<Mutex<Staged>>>>,
     uploads: Mutex<IdMap<Upload>>,
@@ -136,11 +127,7 @@ struct Shared {
 }
 
 /// Blocks as objects in an S3-compatible bucket.
-pub struct S3Store {
-    shared: Arc<Shared>,
-    runtime: Mutex<Option<Runtime>>,
-    closed: AtomicBool,
-}
+pub type S3Store = RemoteStore<S3Backend>;
 
 /// Classifies an object_store error: the core error, and whether it says
 /// the server is unreachable or failing (which opens the breaker).
@@ -169,7 +156,7 @@ fn map_err(op: &str, what: &str, e: object_store::Error) -> (UcmError, bool) {
     }
 }
 
-impl S3Store {
+impl RemoteStore<S3Backend> {
     /// Validates `cfg`, connects, and checks that the bucket exists and the
     /// credentials are accepted (one LIST request under the prefix).
     pub fn open(cfg: S3Config) -> Result<Self> {
@@ -235,25 +222,30 @@ impl S3Store {
                 .map_err(|e| UcmError::invalid(format!("storage_backends: {e}")))?
         };
         let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
-        let handle = runtime.handle();
-        let shared = Arc::new(Shared {
-            tasks: TaskRegistry::new(cfg.timeout_ms),
-            cache: LookupCache::new(
+        let core = RemoteCore::new(
+            layout,
+            runtime.handle(),
+            LookupCache::new(
                 Duration::from_millis(cfg.lookup_cache_ttl_ms),
                 Duration::from_millis(cfg.negative_cache_ttl_ms),
                 1 << 20,
             ),
-            breaker: Breaker::default(),
+            Arc::new(Breaker::default()),
+            cfg.timeout_ms,
+            cfg.max_concurrency,
+            cfg.transfers_enabled(),
+        );
+        let shared = Arc::new(S3Backend {
+            core,
+            location: format!("s3://{}/{}", loc.bucket, loc.prefix),
             limiter: tokio::sync::Semaphore::new(cfg.max_concurrency),
             staging: Mutex::new(IdMap::default()),
             uploads: Mutex::new(IdMap::default()),
             staged_bytes: AtomicU64::new(0),
             room: tokio::sync::Notify::new(),
             counters: Counters::default(),
-            layout,
             client,
             prefix,
-            handle,
             loc,
             cfg,
         });
@@ -272,43 +264,16 @@ impl S3Store {
             },
             config::redact(&shared.cfg.access_key)
         );
-        Ok(S3Store {
-            shared,
-            runtime: Mutex::new(Some(runtime)),
-            closed: AtomicBool::new(false),
-        })
-    }
-
-    /// The object layout in use.
-    pub fn layout(&self) -> &Layout {
-        &self.shared.layout
+        Ok(RemoteStore::new(shared, runtime))
     }
 
     /// The object key of a block (for tools and tests).
     pub fn object_key(&self, id: &BlockId) -> String {
-        self.shared.path(id).to_string()
-    }
-
-    fn check_transfer(&self, shards: &[ShardIo]) -> Result<()> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
-        }
-        if !self.shared.cfg.transfers_enabled() {
-            return Err(UcmError::Unsupported(
-                "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
-            ));
-        }
-        check_shards(&self.shared.layout, shards)
-    }
-
-    fn deadline(&self) -> Option<tokio::time::Instant> {
-        (self.shared.cfg.timeout_ms > 0).then(|| {
-            tokio::time::Instant::now() + Duration::from_millis(self.shared.cfg.timeout_ms)
-        })
+        self.backend().path(id).to_string()
     }
 }
 
-impl Shared {
+impl S3Backend {
     fn path(&self, id: &BlockId) -> ObjPath {
         let (dir, name) = codec::block_key(id);
         self.prefix.clone().join(dir).join(name)
@@ -323,7 +288,7 @@ impl Shared {
     fn check_access(self: &Arc<Self>) -> Result<()> {
         let s = self.clone();
         let budget = Duration::from_millis(self.cfg.timeout_ms.clamp(1, 30_000));
-        let outcome = run_blocking(&self.handle, async move {
+        let outcome = run_blocking(&self.core.handle, async move {
             let prefix = (!s.loc.prefix.is_empty()).then_some(&s.prefix);
             tokio::time::timeout(budget, s.client.list_with_delimiter(prefix)).await
         })?;
@@ -380,123 +345,14 @@ impl Shared {
         let (err, transport) = map_err(op, what, e);
         if transport {
             self.counters.request_errors.fetch_add(1, Ordering::Relaxed);
-            self.breaker.trip(&err.to_string());
+            self.core.breaker.trip(&err.to_string());
         }
         err
     }
 
-    /// Presence of one block: cache, else HEAD. Errors count as absent.
-    async fn present(self: Arc<Self>, id: BlockId) -> bool {
-        if let Some(p) = self.cache.get(&id) {
-            return p;
-        }
-        if self.breaker.is_open() {
-            return false;
-        }
-        let path = self.path(&id);
-        let res = {
-            let _permit = self.limiter.acquire().await;
-            self.counters.heads.fetch_add(1, Ordering::Relaxed);
-            self.client.head(&path).await
-        };
-        match res {
-            Ok(meta) => {
-                self.breaker.reset();
-                let present = meta.size == self.layout.file_len();
-                self.cache.put(id, present);
-                present
-            }
-            Err(object_store::Error::NotFound { .. }) => {
-                self.breaker.reset();
-                self.cache.put(id, false);
-                false
-            }
-            Err(e) => {
-                let err = self.note_err("HEAD", &self.url_of(&id), e);
-                log::debug!("lookup of block {id} counted as a miss: {err}");
-                false
-            }
-        }
-    }
-
-    async fn load_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
-        self.breaker.check(&format!("load of block {block}"))?;
-        let mut idx: Vec<usize> = shards.iter().map(|s| s.index).collect();
-        idx.sort_unstable();
-        let path = self.path(&block);
-        let stride = self.layout.stride as u64;
-        let fetches = codec::runs(&idx).into_iter().map(|(first, n)| {
-            let start = self.layout.offset(first);
-            let end = start + (n as u64 - 1) * stride + read_len(&self.layout) as u64;
-            let path = path.clone();
-            let s = self.clone();
-            async move {
-                let _permit = s.limiter.acquire().await;
-                s.counters.gets.fetch_add(1, Ordering::Relaxed);
-                let bytes = s.client.get_range(&path, start..end).await;
-                (first, n, bytes)
-            }
-        });
-        let fetched = futures::future::join_all(fetches).await;
-        let mut regions: Vec<(usize, usize, Bytes)> = Vec::with_capacity(fetched.len());
-        for (first, n, res) in fetched {
-            match res {
-                Ok(b) => regions.push((first, n, b)),
-                Err(e) => {
-                    let err = self.note_err("GET", &self.url_of(&block), e);
-                    if err.code() == -50005 {
-                        self.breaker.reset();
-                        self.cache.put(block, false);
-                        return Err(UcmError::NotFound(format!(
-                            "block {block} is not in s3://{}/{}",
-                            self.loc.bucket, self.loc.prefix
-                        )));
-                    }
-                    return Err(err);
-                }
-            }
-        }
-        self.breaker.reset();
-        // Verify every shard before writing any caller memory.
-        let region_of = |index: usize| -> Option<&[u8]> {
-            regions.iter().find_map(|(first, n, b)| {
-                (index >= *first && index < first + n).then(|| {
-                    let off = (index - first) * self.layout.stride;
-                    &b[off.min(b.len())..]
-                })
-            })
-        };
-        for s in &shards {
-            let raw = region_of(s.index).ok_or_else(|| {
-                UcmError::TaskFailed(format!("block {block} shard {}: not fetched", s.index))
-            })?;
-            // SAFETY: the caller keeps the segments valid until its task
-            // completes, which happens after this returns.
-            if let Err(e) = unsafe { decode_region(&self.layout, s, raw) } {
-                self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
-                self.cache.forget(&block);
-                if !is_layout_mismatch(&e) {
-                    // Useless to every reader: let the next dump rewrite it.
-                    log::warn!("{e}; deleting {}", self.url_of(&block));
-                    let _ = self.client.delete(&path).await;
-                }
-                return Err(e);
-            }
-            self.counters.shards_loaded.fetch_add(1, Ordering::Relaxed);
-            self.counters
-                .bytes_loaded
-                .fetch_add(self.layout.shard_size as u64, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
-    fn stale_after(&self) -> Duration {
-        Duration::from_millis((self.cfg.timeout_ms * 2).max(60_000))
-    }
-
     /// Drops staged blocks nobody added a shard to for a long time.
     fn sweep_stale(&self) {
-        let limit = self.stale_after();
+        let limit = self.core.stale_after();
         let mut map = self.staging.lock();
         let before = map.len();
         map.retain(|_, st| {
@@ -524,7 +380,7 @@ impl Shared {
 
     /// Reserves staging room for one block, waiting while the buffer is full.
     async fn reserve(&self) -> Result<()> {
-        let need = self.layout.file_len();
+        let need = self.core.layout.file_len();
         let budget = self.cfg.staging_bytes.max(need);
         loop {
             let notified = self.room.notified();
@@ -549,8 +405,10 @@ impl Shared {
         self.room.notify_waiters();
     }
 
-    async fn dump_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
-        if self.cache.get(&block) == Some(true) {
+    /// Stages shards of one block; the unit that completes the block
+    /// waits for its upload.
+    async fn stage(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
+        if self.core.cache.get(&block) == Some(true) {
             // Content-addressed: the stored block already holds these bytes.
             return Ok(());
         }
@@ -562,20 +420,20 @@ impl Shared {
                 if let Some(up) = upload {
                     drop(map);
                     if reserved {
-                        self.release(self.layout.file_len());
+                        self.release(self.core.layout.file_len());
                     }
                     return up.await;
                 }
                 if let Some(e) = map.get(&block) {
                     if reserved {
-                        self.release(self.layout.file_len());
+                        self.release(self.core.layout.file_len());
                     }
                     break e.clone();
                 }
                 if reserved {
                     let e = Arc::new(Mutex::new(Staged {
-                        buf: vec![0u8; self.layout.file_len() as usize],
-                        have: vec![false; self.layout.shard_count],
+                        buf: vec![0u8; self.core.layout.file_len() as usize],
+                        have: vec![false; self.core.layout.shard_count],
                         count: 0,
                         last_activity: Instant::now(),
                         closed: false,
@@ -599,7 +457,7 @@ impl Shared {
         };
         let complete = match complete {
             // Completed or dropped meanwhile: start over (cheap and rare).
-            None => return Box::pin(self.clone().dump_group(block, shards)).await,
+            None => return Box::pin(self.clone().stage(block, shards)).await,
             Some(c) => c,
         };
         let Some(buf) = complete else {
@@ -616,16 +474,16 @@ impl Shared {
                 if st.have[s.index] {
                     continue;
                 }
-                let off = self.layout.offset(s.index) as usize;
-                let stride = self.layout.stride;
+                let off = self.core.layout.offset(s.index) as usize;
+                let stride = self.core.layout.stride;
                 // SAFETY: the caller keeps the segments valid until its task
                 // completes; the region lies inside the block buffer.
-                unsafe { encode_region(&self.layout, s, &mut st.buf[off..off + stride]) };
+                unsafe { encode_region(&self.core.layout, s, &mut st.buf[off..off + stride]) };
                 st.have[s.index] = true;
                 st.count += 1;
             }
             st.last_activity = Instant::now();
-            if st.count == self.layout.shard_count {
+            if st.count == self.core.layout.shard_count {
                 st.closed = true;
                 Some(std::mem::take(&mut st.buf))
             } else {
@@ -650,9 +508,9 @@ impl Shared {
             self.uploads.lock().insert(block, up.clone());
         }
         let s = self.clone();
-        self.handle.spawn(async move {
+        self.core.handle.spawn(async move {
             let outcome = async {
-                s.breaker.check(&format!("upload of block {block}"))?;
+                s.core.breaker.check(&format!("upload of block {block}"))?;
                 let path = s.path(&block);
                 let _permit = s.limiter.acquire().await;
                 s.counters.puts.fetch_add(1, Ordering::Relaxed);
@@ -662,7 +520,7 @@ impl Shared {
                     .await
                 {
                     Ok(_) => {
-                        s.breaker.reset();
+                        s.core.breaker.reset();
                         Ok(())
                     }
                     Err(e) => Err(s.note_err("PUT", &s.url_of(&block), e)),
@@ -672,12 +530,15 @@ impl Shared {
             match &outcome {
                 Ok(()) => {
                     s.counters.blocks_uploaded.fetch_add(1, Ordering::Relaxed);
-                    s.counters.bytes_dumped.fetch_add(len, Ordering::Relaxed);
-                    s.cache.put(block, true);
+                    s.core
+                        .counters
+                        .bytes_dumped
+                        .fetch_add(len, Ordering::Relaxed);
+                    s.core.cache.put(block, true);
                 }
                 Err(_) => {
                     s.counters.upload_failures.fetch_add(1, Ordering::Relaxed);
-                    s.cache.forget(&block);
+                    s.core.cache.forget(&block);
                 }
             }
             s.uploads.lock().remove(&block);
@@ -688,146 +549,90 @@ impl Shared {
     }
 }
 
-impl Store for S3Store {
-    fn name(&self) -> &'static str {
-        "S3"
+impl RemoteBackend for S3Backend {
+    const NAME: &'static str = "S3";
+    const PROBE_STAT: &'static str = "head_requests";
+    type Region = Bytes;
+
+    fn core(&self) -> &RemoteCore {
+        &self.core
     }
 
-    fn lookup(&self, ids: &[BlockId]) -> Result<Vec<bool>> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
-        }
-        let s = self.shared.clone();
-        s.counters.lookups.fetch_add(1, Ordering::Relaxed);
-        let ids = ids.to_vec();
-        let conc = s.cfg.max_concurrency;
-        run_blocking(&s.handle.clone(), async move {
-            probe_all(ids, conc, |id| s.clone().present(id)).await
-        })
+    fn location(&self) -> &str {
+        &self.location
     }
 
-    fn lookup_on_prefix(&self, ids: &[BlockId]) -> Result<isize> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
-        }
-        let s = self.shared.clone();
-        s.counters.lookups.fetch_add(1, Ordering::Relaxed);
-        let ids = ids.to_vec();
-        let conc = s.cfg.max_concurrency;
-        run_blocking(&s.handle.clone(), async move {
-            probe_prefix(ids, conc, |id| s.clone().present(id)).await
-        })
-    }
-
-    fn prefetch(&self, _ids: &[BlockId]) -> Result<()> {
-        // A hint; loads fetch exactly the ranges they need, so there is
-        // nothing worth fetching ahead.
-        if self.closed.load(Ordering::Acquire) {
-            return Err(UcmError::Closed);
-        }
-        Ok(())
-    }
-
-    fn load(&self, shards: Vec<ShardIo>) -> Result<TaskId> {
-        self.check_transfer(&shards)?;
-        let task = self.shared.tasks.create("load", shards.len());
-        let deadline = self.deadline();
-        for (block, group) in group_by_block(shards, |s| s.block) {
-            let unit = Unit::new(task.clone(), group.len());
-            let fut = self.shared.clone().load_group(block, group);
-            spawn_unit(
-                &self.shared.handle,
-                unit,
-                deadline,
-                format!("S3 load of block {block}"),
-                fut,
-            );
-        }
-        Ok(task.id())
-    }
-
-    fn dump(&self, shards: Vec<ShardIo>, _prerequisite: u64) -> Result<TaskId> {
-        self.check_transfer(&shards)?;
-        let task = self.shared.tasks.create("dump", shards.len());
-        let deadline = self.deadline();
-        for (block, group) in group_by_block(shards, |s| s.block) {
-            let unit = Unit::new(task.clone(), group.len());
-            let fut = self.shared.clone().dump_group(block, group);
-            spawn_unit(
-                &self.shared.handle,
-                unit,
-                deadline,
-                format!("S3 dump of block {block}"),
-                fut,
-            );
-        }
-        Ok(task.id())
-    }
-
-    fn wait(&self, task: TaskId) -> Result<()> {
-        self.shared.tasks.wait(task)
-    }
-
-    fn check(&self, task: TaskId) -> Result<bool> {
-        self.shared.tasks.check(task)
-    }
-
-    fn close(&self) -> Result<()> {
-        self.closed.store(true, Ordering::Release);
-        let Some(rt) = self.runtime.lock().take() else {
-            return Ok(());
+    /// One HEAD: presence and size.
+    async fn size_of(&self, id: &BlockId) -> Result<Option<u64>> {
+        let path = self.path(id);
+        let res = {
+            let _permit = self.limiter.acquire().await;
+            self.client.head(&path).await
         };
+        match res {
+            Ok(meta) => {
+                self.core.breaker.reset();
+                Ok(Some(meta.size))
+            }
+            Err(object_store::Error::NotFound { .. }) => {
+                self.core.breaker.reset();
+                Ok(None)
+            }
+            Err(e) => Err(self.note_err("HEAD", &self.url_of(id), e)),
+        }
+    }
+
+    /// One range GET.
+    async fn read(&self, id: &BlockId, offset: u64, len: usize) -> Result<Bytes> {
+        let path = self.path(id);
+        let res = {
+            let _permit = self.limiter.acquire().await;
+            self.counters.gets.fetch_add(1, Ordering::Relaxed);
+            self.client
+                .get_range(&path, offset..offset + len as u64)
+                .await
+        };
+        res.map_err(|e| self.note_err("GET", &self.url_of(id), e))
+    }
+
+    async fn discard_corrupt(&self, id: &BlockId, e: &UcmError) {
+        if !is_layout_mismatch(e) {
+            // Useless to every reader: let the next dump rewrite it.
+            log::warn!("{e}; deleting {}", self.url_of(id));
+            let _ = self.client.delete(&self.path(id)).await;
+        }
+    }
+
+    async fn dump_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
+        self.stage(block, shards).await
+    }
+
+    fn before_shutdown(self: &Arc<Self>) {
         // Let uploads already started finish (bounded by their timeouts).
-        let until = Instant::now() + Duration::from_millis(self.shared.cfg.timeout_ms.max(1000));
-        while !self.shared.uploads.lock().is_empty() && Instant::now() < until {
+        let until = Instant::now() + Duration::from_millis(self.cfg.timeout_ms.max(1000));
+        while !self.uploads.lock().is_empty() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let partial = self.shared.staging.lock().len();
+        let partial = self.staging.lock().len();
         if partial > 0 {
             log::warn!(
                 "S3 store closed with {partial} partially dumped block(s); they are dropped"
             );
         }
-        rt.shutdown(Duration::from_secs(2));
-        Ok(())
     }
 
-    fn stats(&self) -> StoreStats {
-        let c = &self.shared.counters;
-        let mut s = StoreStats::new();
-        let mut put = |k: &str, v: u64| {
-            s.insert(k.to_string(), v as f64);
-        };
-        put("lookups", c.lookups.load(Ordering::Relaxed));
-        put("head_requests", c.heads.load(Ordering::Relaxed));
+    fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {
+        let c = &self.counters;
         put("get_requests", c.gets.load(Ordering::Relaxed));
         put("put_requests", c.puts.load(Ordering::Relaxed));
-        put("bytes_loaded", c.bytes_loaded.load(Ordering::Relaxed));
-        put("bytes_dumped", c.bytes_dumped.load(Ordering::Relaxed));
-        put("shards_loaded", c.shards_loaded.load(Ordering::Relaxed));
         put("blocks_uploaded", c.blocks_uploaded.load(Ordering::Relaxed));
         put("upload_failures", c.upload_failures.load(Ordering::Relaxed));
-        put("corrupt_loads", c.corrupt_loads.load(Ordering::Relaxed));
         put("request_errors", c.request_errors.load(Ordering::Relaxed));
         put(
             "stale_staged_dropped",
             c.stale_dropped.load(Ordering::Relaxed),
         );
-        put("breaker_trips", self.shared.breaker.trips());
-        let (hit, miss) = self.shared.cache.counts();
-        put("lookup_cache_hits", hit);
-        put("lookup_cache_misses", miss);
-        put("staged_blocks", self.shared.staging.lock().len() as u64);
-        put(
-            "staged_bytes",
-            self.shared.staged_bytes.load(Ordering::Relaxed),
-        );
-        s
-    }
-}
-
-impl Drop for S3Store {
-    fn drop(&mut self) {
-        let _ = self.close();
+        put("staged_blocks", self.staging.lock().len() as u64);
+        put("staged_bytes", self.staged_bytes.load(Ordering::Relaxed));
     }
 }
