@@ -4,13 +4,15 @@ A method is built twice, once per process role, exactly like a vLLM KV
 connector: the **scheduler** instance (in the EngineCore process) decides how
 many KV slots each request gets; the **worker** instance (in the model-runner
 process) selects blocks, moves KV and runs the sparse attention. The two never
-share memory; the only scheduler-to-worker channel is the per-request slot
-budget the hook layer forwards with the scheduler output.
+share memory; what the worker needs from the scheduler (per-request step
+facts, the swap blocks of an offloaded request) travels with the connector
+metadata (:mod:`ucm.integration.vllm.sparse_bridge`).
 
 Every hook has a pass-through default, so a method overrides only what it
 needs (the seed's extension example overrides ``build_sparse_meta``,
-``attention_begin`` and ``attention_finished``). Hooks are called by
-:mod:`ucm.sparse.vllm_hooks` in this order:
+``attention_begin`` and ``attention_finished``). Hooks run in this order (the
+"called from" column is the original UCM's; with the UCM connector the vLLM
+call sites are listed in :mod:`ucm.sparse.vllm_hooks`):
 
 ======  =================================  =========  ==========================================
  #      hook                               role       called from

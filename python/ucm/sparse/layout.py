@@ -14,8 +14,13 @@ decode]``, so its device length is
 ``n_init*B + k*B + local_tokens + num_output_tokens`` where ``local_tokens`` is
 ``n_local*B`` if ``P % B == 0`` and ``P % B + (n_local - 1)*B`` otherwise
 (the original ESA budget). Every device block except the last is full, which
-is what the paged decode kernel needs. RoPE positions stay the true ones; only
-the KV slot a new token is written to is compressed.
+is what the paged decode kernel needs. RoPE positions stay the true ones.
+
+On vLLM (:mod:`ucm.integration.vllm.sparse_bridge`) the request's block list
+keeps its dense length: the first ``k`` middle blocks serve as the swap slots
+and the other ``R - k`` are replaced by vLLM's ``null_block`` and freed, so
+the request holds exactly :meth:`OffloadPlan.device_blocks` blocks while
+every token keeps its true slot.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Nothing here runs unless a sparse method is configured
 (``ucm_sparse_config`` in the connector config): the connector calls
 :func:`install_scheduler_hooks` / :func:`install_worker_hooks` only then, and
-every installed hook checks for the process's agent first. Each install
+every installed hook checks for its driver (or the process's agent) first. Each install
 returns a :class:`HookHandle` whose :meth:`~HookHandle.uninstall` restores
 exactly what was replaced. Versions outside :data:`SUPPORTED_VLLM` raise
 :class:`UnsupportedVllmError` naming the installed and the supported
@@ -12,7 +12,9 @@ versions.
 Patch surface (vLLM 0.32, paths under ``vllm/``), smallest first. Most hooks
 need **no monkey patch**: they are reached through the KV-connector API the
 UCM connector already implements, or through *instance* attributes of objects
-the connector is handed.
+the connector is handed. The glue is
+:mod:`ucm.integration.vllm.sparse_bridge`; the call sites in
+``ucm_connector.py`` are marked ``ucm.sparse``.
 
 ======================================  ======================================  ==============
 hook(s)                                 where they are called from              patch
@@ -20,22 +22,26 @@ hook(s)                                 where they are called from              
 ``request_begin``                       connector ``get_num_new_matched_tokens``  none
                                         (first call per request)
 ``request_finished_in_scheduler``       connector ``request_finished``          none
-``estimate_num_slots_sparsed`` +        wrapper around the instance attribute   instance attr
-``allocate_slots``                      ``kv_cache_manager.allocate_slots``
+``request_finished_in_worker``          connector ``get_finished`` (finished    none
+                                        ids) and ``bind_connector_metadata``
+                                        (preempted ids)
+``estimate_num_slots_sparsed`` and the  wrapper around the instance attribute   instance attr
+release of offloaded blocks             ``kv_cache_manager.allocate_slots``
                                         (the connector gets the manager via
                                         ``bind_kv_cache_manager``)
-scheduler -> worker slot budget         the connector's own metadata            none
+scheduler -> worker step facts          the connector's own metadata            none
                                         (``build_connector_meta``), not a
                                         ``SchedulerOutput`` field
 ``initialize_kv_cache_tensors``         connector ``register_kv_caches``        none
-``build_sparse_meta``, ``execute_begin``  connector ``start_load_kv``           none
+``build_sparse_meta``, ``execute_begin``  connector ``bind_connector_metadata``  none
+                                        (before the forward; vLLM 0.32 calls
+                                        ``start_load_kv`` *after* it when no
+                                        load is synchronous)
 ``execute_finished``                    connector ``wait_for_save``             none
 ``attention_begin`` / ``_finished`` /   wrapper around each layer's             instance attr
 ``sparse_attention``                    ``layer.impl.forward`` (layers from
                                         ``compilation_config.
                                         static_forward_context``)
-compressed KV slot of a new token       ``v1/worker/block_table.py``            class attr
-                                        ``BlockTable.compute_slot_mapping``
 ======================================  ======================================  ==============
 
 Why the public interfaces do not suffice:
@@ -49,25 +55,32 @@ Why the public interfaces do not suffice:
   for the direct-call path vLLM uses on CPU and for the custom-op path, and
   leaves ``torch.compile``'s op registry untouched.
 * **Allocation.** The scheduler allocates ``num_computed + num_new`` dense
-  slots; there is no hook to allocate fewer. ``KVCacheManager`` is handed to
-  the connector (``bind_kv_cache_manager``), so wrapping its
-  ``allocate_slots`` instance attribute is enough to substitute the
-  compressed budget and free the offloaded prompt blocks.
-* **Slot mapping.** The worker computes where a new token's KV goes from its
-  *true* position (``BlockTable.compute_slot_mapping``, called from
-  ``GPUModelRunner._prepare_inputs``, which the CPU runner inherits). A
-  compressed request needs the compressed position there while RoPE keeps
-  the true one; the model runner is not reachable from the connector, so this
-  one method is patched on the class (and restored on uninstall).
+  slots and a running request only ever grows; there is no hook to give
+  blocks back. ``KVCacheManager`` is handed to the connector
+  (``bind_kv_cache_manager``), so wrapping its ``allocate_slots`` instance
+  attribute is enough: after the dense allocation, the request's unselected
+  prompt blocks are replaced by ``block_pool.null_block`` in its block list
+  and freed -- exactly what vLLM's own sliding-window manager does with
+  blocks that left the window.
+* **Slot mapping: no patch.** Because the block list keeps its length (null
+  blocks in place of the freed ones), every token keeps its true position
+  and block index, so ``BlockTable.compute_slot_mapping`` and RoPE need no
+  change. (An earlier plan compressed the positions and patched that class
+  method; the null-block layout makes it unnecessary.)
 * **Layer and FFN hooks** (``layer_begin``/``ffn_*``, used by Blend-style
   methods) would need the model's decoder layers patched; ESA, GSA and KVStar
   do not use them, so they are not installed (a method that needs them gets a
   clear error from :func:`install_worker_hooks`).
 
-Status: the version gate, the patch bookkeeping and the per-instance
-attention and allocation wrappers are implemented and unit-tested here; the
-slot-mapping patch and the connector wiring land with the vLLM end-to-end
-round (see the report of issue 6).
+Status: wired end to end (vLLM 0.32 CPU build): ESA, GSA and KVStar are
+created per role by the connector when ``ucm_sparse_config`` names them;
+sparse decode attention over the selected blocks (torch reference on CPU,
+the Triton kernel on CUDA); ESA/KVStar offload (unselected prompt blocks
+leave device KV, selected ones are loaded from the UCM store into swap
+blocks, only changed blocks on a re-selection); everything uninstalled on
+connector ``shutdown``. Tested in ``python/tests/sparse/test_sparse_vllm.py``.
+The agent's own ``allocate_slots`` hook is not used by the connector (the
+bridge releases blocks after vLLM's dense allocation instead).
 """
 
 from __future__ import annotations
@@ -182,18 +195,24 @@ def _agent() -> UcmSparseBase | None:
 # ---------------------------------------------------------------------------- worker side
 
 
-def wrap_attention_impl(layer_name: str, impl_forward: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_attention_impl(
+    layer_name: str, impl_forward: Callable[..., Any], driver: Any = None
+) -> Callable[..., Any]:
     """Wraps one layer's ``impl.forward(layer, q, k, v, kv_cache, attn_metadata, output, ...)``.
 
     Order: ``attention_begin`` (may replace q/k/v/output) -> the agent's
     :meth:`~UcmSparseBase.sparse_attention` (True: it filled ``output``, the
     backend is skipped) or the backend -> ``attention_finished``. Without an
     agent, or without metadata (profile and dummy runs), it is the backend.
+
+    ``driver``: the object whose ``attention_begin`` / ``sparse_attention`` /
+    ``attention_finished`` are called (the connector's worker bridge, which
+    maps vLLM's batch rows to requests); default: the process's agent.
     """
 
     @functools.wraps(impl_forward)
     def forward(layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
-        agent = _agent()
+        agent = driver if driver is not None else _agent()
         if agent is None or attn_metadata is None:
             return impl_forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
@@ -220,12 +239,14 @@ def install_worker_hooks(
     agent: UcmSparseBase,
     *,
     version: str | None = None,
+    driver: Any = None,
 ) -> HookHandle:
     """Wraps ``impl.forward`` of every attention layer in ``static_forward_context``.
 
     ``static_forward_context`` is ``vllm_config.compilation_config.
     static_forward_context`` (layer name -> ``Attention``), available to the
     connector in ``register_kv_caches``. Layers are wrapped per instance.
+    ``driver``: see :func:`wrap_attention_impl`.
     """
     check_vllm_version(version)
     for hook in ("layer_begin", "layer_finished", "ffn_begin", "ffn_finished"):
@@ -239,7 +260,7 @@ def install_worker_hooks(
         impl = getattr(layer, "impl", None)
         if impl is None or not hasattr(impl, "forward") or is_wrapped(impl.forward):
             continue
-        handle.patch_attr(impl, "forward", wrap_attention_impl(name, impl.forward))
+        handle.patch_attr(impl, "forward", wrap_attention_impl(name, impl.forward, driver))
     _LOG.info("sparse attention hooks installed on %d layers", len(handle._undo))
     return handle
 
@@ -247,17 +268,21 @@ def install_worker_hooks(
 # ---------------------------------------------------------------------------- scheduler side
 
 
-def wrap_allocate_slots(allocate_slots: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_allocate_slots(
+    allocate_slots: Callable[..., Any], agent: UcmSparseBase | None = None
+) -> Callable[..., Any]:
     """Wraps ``KVCacheManager.allocate_slots(request, num_new_tokens, ...)``.
 
     When the agent's :meth:`~UcmSparseBase.estimate_num_slots_sparsed` gives
     a budget, its :meth:`~UcmSparseBase.allocate_slots` allocates instead;
     otherwise (or with no agent) the dense allocation runs unchanged.
+    ``agent``: default, the process's agent.
     """
+    bound = agent
 
     @functools.wraps(allocate_slots)
     def wrapped(request, num_new_tokens, *args, **kwargs):
-        agent = _agent()
+        agent = bound if bound is not None else _agent()
         if agent is not None:
             n = agent.estimate_num_slots_sparsed(request)
             if n != INVALID_SLOT:
@@ -268,14 +293,23 @@ def wrap_allocate_slots(allocate_slots: Callable[..., Any]) -> Callable[..., Any
     return wrapped
 
 
-def install_scheduler_hooks(kv_cache_manager: Any, *, version: str | None = None) -> HookHandle:
-    """Wraps ``allocate_slots`` of the engine's ``KVCacheManager`` instance."""
+def install_scheduler_hooks(
+    kv_cache_manager: Any,
+    *,
+    version: str | None = None,
+    wrapper: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> HookHandle:
+    """Wraps ``allocate_slots`` of the engine's ``KVCacheManager`` instance.
+
+    ``wrapper`` builds the replacement from the original bound method
+    (default :func:`wrap_allocate_slots`; the connector's bridge passes its
+    own, which releases offloaded blocks after the dense allocation).
+    """
     check_vllm_version(version)
     handle = HookHandle("scheduler")
     if not is_wrapped(kv_cache_manager.allocate_slots):
-        handle.patch_attr(
-            kv_cache_manager, "allocate_slots", wrap_allocate_slots(kv_cache_manager.allocate_slots)
-        )
+        make = wrapper or wrap_allocate_slots
+        handle.patch_attr(kv_cache_manager, "allocate_slots", make(kv_cache_manager.allocate_slots))
     return handle
 
 

@@ -72,7 +72,9 @@ class UcmConnectorConfig:
     metrics_config_path: str | None = None
     """YAML file of metrics options (``enabled``, ``duration_buckets_ms``)."""
     ucm_sparse_config: dict[str, Any] | None = None
-    """Accepted for compatibility with the seed's YAML; sparse attention is not used here."""
+    """Sparse attention: ``{METHOD: {...}}``, one of ESA, GSA, KVStar, Blend, ReRoPE or a
+    registered method (see :mod:`ucm.sparse.config`).
+    Parsed and validated by :mod:`ucm.integration.vllm.sparse_bridge` when the connector starts."""
     load_only_first_rank: bool = False
     """Accepted for compatibility; ignored (every rank loads its own heads)."""
     enable_event_sync: bool = True
@@ -329,12 +331,6 @@ def resolve_config(
                 f"unknown config key {unknown[0]!r} (metrics config "
                 f"{connector.metrics_config_path}); valid keys: duration_buckets_ms, enabled"
             )
-    if connector.ucm_sparse_config:
-        logger.warning(
-            "ucm_sparse_config (%s) is accepted but sparse attention is not used by this "
-            "connector; it is ignored",
-            sources.get("ucm_sparse_config"),
-        )
     if connector.load_only_first_rank:
         logger.warning(
             "load_only_first_rank (%s) is ignored: every rank loads its own KV heads",

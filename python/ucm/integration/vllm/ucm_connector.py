@@ -137,6 +137,16 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker = UCMWorkerSide(
                 vllm_config, kv_cache_config, self.ucm_config, self.geometry
             )
+        # --- ucm.sparse (issue 6): None unless ucm_sparse_config names a method.
+        from ucm.integration.vllm.sparse_bridge import create_bridge
+
+        self._sparse = create_bridge(
+            vllm_config,
+            role == KVConnectorRole.SCHEDULER,
+            self.ucm_config,
+            self._scheduler if self._scheduler is not None else self._worker,
+        )
+        # --- end ucm.sparse
         logger.info(
             "UCMConnector (%s): store %s %s, %s mode, block %d tokens, hash %s",
             role.name.lower(),
@@ -158,11 +168,17 @@ class UCMConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        if self._sparse is not None:  # ucm.sparse: attention hooks
+            self._sparse.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, UCMConnectorMetadata):
             self._worker.bind(connector_metadata)
+        if self._sparse is not None:  # ucm.sparse: build_sparse_meta + execute_begin
+            # (not in start_load_kv: vLLM 0.32 calls it after the forward when
+            # no load is synchronous)
+            self._sparse.start_step(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -194,10 +210,14 @@ class UCMConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.wait_for_save()
+        if self._sparse is not None:  # ucm.sparse: execute_finished
+            self._sparse.execute_finished()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
+        if self._sparse is not None and finished_req_ids:  # ucm.sparse: request finished
+            self._sparse.requests_finished(finished_req_ids)
         return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -213,6 +233,9 @@ class UCMConnector(KVConnectorBase_V1):
         return None
 
     def shutdown(self) -> None:
+        if self._sparse is not None:  # ucm.sparse: uninstall the hooks
+            self._sparse.shutdown()
+            self._sparse = None
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
@@ -225,11 +248,15 @@ class UCMConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler._kv_cache_manager = kv_cache_manager
+        if self._sparse is not None:  # ucm.sparse: allocation hook
+            self._sparse.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        if self._sparse is not None:  # ucm.sparse: request_begin
+            self._sparse.request_begin(request)
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -240,7 +267,10 @@ class UCMConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._sparse is not None:  # ucm.sparse: per-step request facts for the workers
+            self._sparse.attach(meta, scheduler_output)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
@@ -250,6 +280,8 @@ class UCMConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        if self._sparse is not None:  # ucm.sparse: request_finished_in_scheduler
+            self._sparse.request_finished(request)
         return self._scheduler.request_finished(request, block_ids)
 
     # ==============================
@@ -262,9 +294,11 @@ class UCMConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layer-wise hooks run between attention layers: CUDA graphs must
-        # leave them out (piecewise capture).
+        # leave them out (piecewise capture). So must the sparse attention
+        # hooks (ucm.sparse), which wrap each layer's impl.forward.
         try:
-            return resolve_config(extra_config).connector.use_layerwise
+            c = resolve_config(extra_config).connector
+            return c.use_layerwise or bool(c.ucm_sparse_config)
         except Exception:
             return False
 
