@@ -30,10 +30,26 @@ Backends (``--backend``):
 * ``ref`` (default, runs anywhere): the torch reference stack
   :mod:`ucm.sparse.blend.refmodel` (vLLM's CPU KV layout, random weights,
   ``--impl torch`` or ``triton``/``auto`` on a GPU);
-* ``vllm``: placeholder for the vLLM run once the Blend connector exists
-  (prints what it would need and exits 2).
+* ``vllm`` (``--vllm``): real vLLM engines (CPU build here; any build with
+  ``enforce_eager``, prefix caching off) on a random-weight Llama of the
+  same shape written by :mod:`ucm.integration.vllm.tiny_model`, one engine
+  per process (:mod:`ucm.sparse.blend.vllm_child`). The reference outputs
+  come from vLLM without a connector; an engine with the UCM connector fills
+  a Posix store by serving every pool chunk alone. Then one engine per ratio
+  with ``ucm_sparse_config: {Blend: {blend_recompute_ratio: r}}``
+  (``kv_consumer``: nothing is saved while timing) alternates ``full`` --
+  the prompt with its first token changed and an empty chunk list, so
+  nothing is found in the store: a prefill of every token -- and ``blend r``
+  in the same process, so a busy machine slows both alike. TTFT is the
+  wall time of a ``generate`` with ``max_tokens=1`` (median of
+  ``--repeat``, after one untimed call of each; the blend includes the
+  store lookup, the chunk loads and delta-RoPE); ``CPU ms`` is the engine
+  process's CPU time for the same call (median). ``rows@chk`` and ``work``
+  come from the worker's own counters; divergence is computed from the
+  first token's full distribution (all ``--vocab`` log probabilities) and
+  the greedy continuation of ``--decode`` tokens.
 
-Usage: ``python benches/blend_ttft.py [--chunks 4 8] [--quick] [--json out.json]``.
+Usage: ``python benches/blend_ttft.py [--chunks 4 8] [--quick] [--vllm] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -203,14 +219,192 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _dist(first_logprobs: dict[str, float], vocab: int) -> torch.Tensor:
+    lp = torch.full((vocab,), -1e9, dtype=torch.float64)
+    for t, v in first_logprobs.items():
+        lp[int(t)] = v
+    return lp
+
+
+def run_vllm(args: argparse.Namespace) -> list[dict]:
+    """The ``vllm`` backend (see the module doc)."""
+    import tempfile
+
+    from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.sparse.blend.vllm_child import run_child
+
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ucm-blend-bench-"))
+    spec = TinyModelSpec(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=2 * args.hidden,
+        vocab=args.vocab,
+        seed=args.seed,
+    )
+    model = str(make_tiny_llama(work_dir / "model", spec))
+    pool = make_chunks(args.pool, args.chunk_tokens, args.vocab, args.seed + 1)
+    rng = random.Random(args.seed + 2)
+    prompts = {}
+    for n in args.chunks:
+        picked = rng.sample(range(len(pool)), n)
+        question = [rng.randrange(4, args.vocab) for _ in range(args.question)]
+        prompts[n] = [t for i in picked for t in pool[i]] + question
+    max_len = max(len(p) for p in prompts.values()) + args.decode + 64
+    llm = {
+        "max_model_len": max_len,
+        "max_num_batched_tokens": max_len,
+        "max_logprobs": args.vocab,
+        "kv_cache_memory_bytes": 512 << 20,
+    }
+    store = {"storage_backends": str(work_dir / "store"), "store_pipeline": "Posix"}
+    warmup = {"name": "warmup", "prompts": [pool[0][: args.chunk_tokens // 2]], "max_tokens": 1}
+
+    def dec_ops() -> list[dict]:
+        return [
+            {"name": f"dec{n}", "prompts": [p], "max_tokens": args.decode, "logprobs": args.vocab}
+            for n, p in prompts.items()
+        ]
+
+    # 1. The reference outputs: vLLM without a connector (full prefill).
+    t0 = time.perf_counter()
+    ref = run_child({"model": model, "ucm": None, "llm": llm, "ops": dec_ops()}, work_dir)
+    # 2. The chunk caches: every pool chunk served alone (nothing else is
+    #    saved: a saved prompt would be a plain prefix hit later).
+    run_child(
+        {
+            "model": model,
+            "ucm": store,
+            "llm": llm,
+            "ops": [{"name": "build", "prompts": pool, "max_tokens": 1}],
+        },
+        work_dir,
+    )
+    print(f"reference and build engines done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    # 3. Per ratio, one engine that only loads (kv_consumer: nothing is saved
+    #    while timing). Full prefill ("full") and blend alternate in the same
+    #    process, so a busy machine slows both alike: "full" is the prompt
+    #    with its first token changed (no chained prefix hit) and an empty
+    #    chunk list (no chunk hit), i.e. a prefill of every token.
+    results = {}
+    for ratio in args.ratios:
+        ucm = dict(store)
+        ucm["ucm_sparse_config"] = {
+            "Blend": {
+                "blend_recompute_ratio": ratio,
+                "blend_check_layers": [args.check_layer],
+                "chunk_end_token_id": END,
+                "min_blend_hit_blocks": 4,
+            }
+        }
+        ops = [warmup]
+        for n, p in prompts.items():
+            full_p = [(p[0] + 1 - 4) % (args.vocab - 4) + 4, *p[1:]]
+            for i in range(-1, args.repeat):  # -1: untimed, first call at these shapes
+                ops.append(
+                    {
+                        "name": f"full{n}.{i}",
+                        "prompts": [full_p],
+                        "params": [{"ucm_blend_chunks": []}],
+                        "max_tokens": 1,
+                    }
+                )
+                ops.append({"name": f"blend{n}.{i}", "prompts": [p], "max_tokens": 1})
+        t0 = time.perf_counter()
+        results[ratio] = run_child(
+            {
+                "model": model,
+                "ucm": ucm,
+                "kv_role": "kv_consumer",
+                "llm": llm,
+                "ops": ops + dec_ops(),
+            },
+            work_dir,
+        )
+        print(f"blend r={ratio:g} engine done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    def runs(res: dict, prefix: str, key: str) -> list[float]:
+        return [res[f"{prefix}.{i}"][key][0] for i in range(args.repeat)]
+
+    def med(res: dict, prefix: str, key: str) -> float:
+        return statistics.median(runs(res, prefix, key))
+
+    rows = []
+    for n, p in prompts.items():
+        f_dec = ref[f"dec{n}"]
+        f_lp = _dist(f_dec["first_logprobs"][0], args.vocab)
+        for ratio, res in results.items():
+            f_t, f_cpu = med(res, f"full{n}", "seconds"), med(res, f"full{n}", "cpu_seconds")
+            assert not res[f"full{n}.0"]["steps"], "the full-prefill variant was blended"
+            rows.append(
+                {
+                    "chunks": n,
+                    "tokens": len(p),
+                    "variant": f"full (r={ratio:g} eng.)",
+                    "ratio": None,
+                    "ttft_s": f_t,
+                    "ttft_runs_s": runs(res, f"full{n}", "seconds"),
+                    "cpu_s": f_cpu,
+                    "cpu_speedup": 1.0,
+                    "speedup": 1.0,
+                    "rows_after_check": len(p),
+                    "work": 1.0,
+                    "kl": 0.0,
+                    "top1": True,
+                    "cont_match": 1.0,
+                }
+            )
+            t, cpu = med(res, f"blend{n}", "seconds"), med(res, f"blend{n}", "cpu_seconds")
+            dec = res[f"dec{n}"]
+            last = res[f"blend{n}.{args.repeat - 1}"]
+            steps = last["steps"]
+            q_rows = steps[-1]["rows"] if steps else len(p)
+            kept = min(steps[-1]["kept"].values()) if steps else q_rows
+            c, layers = args.check_layer, args.layers
+            lp = _dist(dec["first_logprobs"][0], args.vocab)
+            rows.append(
+                {
+                    "chunks": n,
+                    "tokens": len(p),
+                    "variant": f"blend r={ratio:g}",
+                    "ratio": ratio,
+                    "mode": "blend" if steps else "prefix",
+                    "ttft_s": t,
+                    "ttft_runs_s": runs(res, f"blend{n}", "seconds"),
+                    "cpu_s": cpu,
+                    "cpu_speedup": f_cpu / cpu,
+                    "speedup": f_t / t,
+                    "rows_after_check": kept,
+                    "work": (c * q_rows + (layers - c) * kept) / (layers * len(p)),
+                    "kl": float((f_lp.exp() * (f_lp - lp)).sum()),
+                    "top1": dec["tokens"][0][0] == f_dec["tokens"][0][0],
+                    "cont_match": sum(
+                        a == b for a, b in zip(dec["tokens"][0], f_dec["tokens"][0], strict=True)
+                    )
+                    / max(1, args.decode),
+                    "chunk_blocks_loaded": last["stats"].get("chunk_blocks_loaded", 0),
+                }
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["ref", "vllm"], default="ref")
+    ap.add_argument("--vllm", action="store_true", help="same as --backend vllm")
+    ap.add_argument("--work-dir", type=Path, help="vllm: model and store directory")
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--pool", type=int, default=10, help="distinct chunks cached")
-    ap.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.5, 0.15, 0.05])
+    ap.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        help="default: 1 0.5 0.15 0.05 (ref), 1 0.15 (vllm: one engine per ratio)",
+    )
     ap.add_argument("--check-layer", type=int, default=1)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
@@ -225,16 +419,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2-4 chunks of 128 tokens, 4 layers")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.backend == "vllm":
-        print(
-            "the vLLM backend needs the Blend connector (ucm/integration/vllm) and the "
-            "decoder-layer hooks; see ucm.sparse.blend for the plan",
-            file=sys.stderr,
-        )
-        return 2
+    if args.vllm:
+        args.backend = "vllm"
     if args.quick:
         args.chunks, args.chunk_tokens, args.layers, args.hidden = [2, 4], 128, 4, 128
         args.heads, args.pool, args.repeat, args.decode = 4, 6, 1, 8
+    if args.ratios is None:
+        args.ratios = [1.0, 0.15] if args.backend == "vllm" else [1.0, 0.5, 0.15, 0.05]
+    if args.backend == "vllm":
+        rows = run_vllm(args)
+        print(
+            f"{'chunks':>6} {'tokens':>6} {'variant':<19} {'TTFT ms':>9} {'speedup':>7} "
+            f"{'min ms':>8} {'CPU ms':>8} {'CPU x':>6} {'rows@chk':>8} {'work':>5} {'KL':>9} "
+            f"{'top1':>5} {'cont':>5}"
+        )
+        for r in rows:
+            print(
+                f"{r['chunks']:>6} {r['tokens']:>6} {r['variant']:<19} {1e3 * r['ttft_s']:>9.1f} "
+                f"{r['speedup']:>7.2f} {1e3 * min(r['ttft_runs_s']):>8.1f} "
+                f"{1e3 * r['cpu_s']:>8.1f} {r['cpu_speedup']:>6.2f} "
+                f"{r['rows_after_check']:>8} {r['work']:>5.2f} {r['kl']:>9.2e} "
+                f"{r['top1']!s:>5} {r['cont_match']:>5.2f}"
+            )
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     rows = run(args)
     hdr = (
         f"{'chunks':>6} {'tokens':>6} {'variant':<18} {'TTFT ms':>9} {'speedup':>7} "

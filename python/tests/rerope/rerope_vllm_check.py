@@ -6,7 +6,12 @@ goes through the torch reference stack with the same weights, with and
 without ReRoPE, and through vLLM again after the patch is uninstalled.
 Prints one JSON line prefixed with ``@@RESULT@@``.
 
-Usage: ``python rerope_vllm_check.py MODEL_DIR``.
+Usage: ``python rerope_vllm_check.py MODEL_DIR [--connector STORE_DIR]``.
+
+With ``--connector`` ReRoPE is not installed by hand: the UCM connector
+installs it from its config (``ucm_sparse_config: {ReRoPE: ...}``) and the
+prompt is served twice, the second time loading its prefix from the store
+(K and V only; the connector derives K2 of the loaded blocks).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def main() -> None:
     from ucm.sparse.rerope.vllm_patch import install_rerope
 
     model_dir = make_tiny_llama(sys.argv[1], TinyModelSpec(max_positions=TRAINING))
+    if len(sys.argv) > 3 and sys.argv[2] == "--connector":
+        return connector_main(model_dir, sys.argv[3])
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -94,6 +101,70 @@ def main() -> None:
         "ref_rerope_tokens": res["rerope"][0],
         "ref_rerope_first_logprob": res["rerope"][1],
         "ref_plain_tokens": res["plain"][0],
+        "prompt_len": len(prompt),
+    }
+    print("@@RESULT@@ " + json.dumps(result), flush=True)
+
+
+def reference_tokens(model_dir: object, prompt: list[int]) -> tuple[list[int], float]:
+    """Greedy tokens and first log probability of the torch reference stack with ReRoPE."""
+    from ucm.sparse.blend import refmodel as rm
+    from ucm.sparse.rerope.config import ReRoPEConfig
+
+    cfg = ReRoPEConfig(rerope_window=WINDOW, training_length=TRAINING)
+    ref_model = rm.TinyLlama.from_pretrained(model_dir, max_positions=4096)
+    cache = rm.PagedKV(ref_model.spec, (PROMPT_LEN + MAX_TOKENS) // 32 + 2, 32, k2=True)
+    r = rm.full_prefill(ref_model, cache, prompt, rerope=cfg)
+    lp = float(r.logits.log_softmax(-1).max())
+    return rm.decode(ref_model, cache, r.seq, r.logits, MAX_TOKENS, rerope=cfg), lp
+
+
+def connector_main(model_dir: object, store: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from ucm.integration.vllm.harness import CONNECTOR
+
+    ucm = {
+        "storage_backends": store,
+        "store_pipeline": "Posix",
+        "ucm_sparse_config": {"ReRoPE": {"rerope_window": WINDOW, "training_length": TRAINING}},
+    }
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=4096,
+        hf_overrides={"max_position_embeddings": 4096},
+        kv_cache_memory_bytes=32 << 20,
+        enable_prefix_caching=False,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(**CONNECTOR, kv_connector_extra_config=ucm),
+    )
+    rng = random.Random(0)
+    prompt = [rng.randrange(4, 512) for _ in range(PROMPT_LEN)]
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
+    inst = get_kv_transfer_group()._worker._rerope
+    runs = []
+    for _ in range(2):
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        o = out.outputs[0]
+        runs.append(
+            {
+                "tokens": list(o.token_ids),
+                "first_logprob": o.logprobs[0][o.token_ids[0]].logprob,
+                "cached": out.num_cached_tokens or 0,
+                "rebuilt_blocks": inst.rebuilt_blocks,
+            }
+        )
+    ref_tokens, ref_lp = reference_tokens(model_dir, prompt)
+    result = {
+        "layers": inst.layers,
+        "runs": runs,
+        "ref_tokens": ref_tokens,
+        "ref_first_logprob": ref_lp,
         "prompt_len": len(prompt),
     }
     print("@@RESULT@@ " + json.dumps(result), flush=True)

@@ -7,7 +7,11 @@ global state never leaks into the test process. Checks:
   probability) as the torch reference stack with ReRoPE on the same weights;
 * after ``uninstall`` vLLM produces the reference's plain-RoPE tokens, which
   differ: the patch really changes the attention, and removes cleanly;
-* the K2 cache costs half the KV-cache bytes.
+* the K2 cache costs half the KV-cache bytes;
+* through the UCM connector config (``ucm_sparse_config: {ReRoPE: ...}``,
+  no ``install_rerope`` call) the same prompt gives the reference's ReRoPE
+  tokens, computed and again with its blocks loaded from the store (K2 of
+  loaded blocks is derived from their K).
 """
 
 from __future__ import annotations
@@ -29,10 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_rerope_serves_2k_prompt_on_512_position_model(
-    tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    model_dir = request.config.cache.mkdir("ucm-rerope-tiny512")  # reused across runs
+def run_check(tmp_path: Path, *args: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT / "python"), env.get("PYTHONPATH")) if p
@@ -40,7 +41,7 @@ def test_rerope_serves_2k_prompt_on_512_position_model(
     for k in [k for k in env if k.startswith("UCM_")]:
         del env[k]
     proc = subprocess.run(
-        [sys.executable, str(HERE / "rerope_vllm_check.py"), str(model_dir)],
+        [sys.executable, str(HERE / "rerope_vllm_check.py"), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -49,7 +50,14 @@ def test_rerope_serves_2k_prompt_on_512_position_model(
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT@@ ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    r = json.loads(lines[-1].split(" ", 1)[1])
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def test_rerope_serves_2k_prompt_on_512_position_model(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    model_dir = request.config.cache.mkdir("ucm-rerope-tiny512")  # reused across runs
+    r = run_check(tmp_path, str(model_dir))
     assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == 512
     assert r["prompt_len"] == 2048 and r["same_rotary_table"]
     assert r["layers"] == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -59,3 +67,20 @@ def test_rerope_serves_2k_prompt_on_512_position_model(
     assert abs(r["rerope_first_logprob"] - r["ref_rerope_first_logprob"]) < 1e-3
     assert r["native_tokens"] == r["ref_plain_tokens"]
     assert r["rerope_tokens"] != r["native_tokens"]
+
+
+def test_rerope_through_connector_config(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """``ucm_sparse_config: {ReRoPE: ...}`` in the UCM connector config installs ReRoPE
+    (no ``install_rerope`` call): the 2k prompt gives the reference's ReRoPE
+    tokens, computed and then again with its prefix loaded from the store."""
+    model_dir = request.config.cache.mkdir("ucm-rerope-tiny512")
+    r = run_check(tmp_path, str(model_dir), "--connector", str(tmp_path / "store"))
+    assert r["prompt_len"] == 2048
+    assert r["layers"] == ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    first, second = r["runs"]
+    assert first["cached"] == 0 and first["rebuilt_blocks"] == 0
+    # all 64 blocks loaded (vLLM recomputes the last prompt token), K2 derived for each
+    assert second["cached"] == 2047 and second["rebuilt_blocks"] == 64
+    for run in r["runs"]:
+        assert run["tokens"] == r["ref_tokens"]
+        assert abs(run["first_logprob"] - r["ref_first_logprob"]) < 1e-3

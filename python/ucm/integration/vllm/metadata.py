@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -17,6 +18,13 @@ class ReqTransfer:
     load_blocks: list[int] = field(default_factory=list)
     save_ids: list[bytes] = field(default_factory=list)
     save_blocks: list[int] = field(default_factory=list)
+    load_first: int = 0
+    """Block index in the request of ``load_blocks[0]`` (prefix loads are
+    consecutive): ReRoPE derives the loaded blocks' un-rotated keys from it."""
+    blend: Any = None
+    """Blend (``ucm_sparse_config: {Blend: ...}``): the request's
+    :class:`~ucm.sparse.blend.vllm_integration.BlendReqMeta` in the step that
+    loads its chunks (their ids and blocks are in ``load_*`` too)."""
 
 
 @dataclass

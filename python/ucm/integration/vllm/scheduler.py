@@ -107,6 +107,7 @@ class _ReqState:
     save_extra: list[int] = field(default_factory=list)  # local blocks the store lacks
     pending_load: tuple[int, int] | None = None
     last_load: tuple[int, int] | None = None
+    blend: Any = None  # Blend: the BLEND plan (nothing of the request is saved)
 
 
 class UCMSchedulerSide:
@@ -149,6 +150,16 @@ class UCMSchedulerSide:
         # Open now, before any worker in this process writes: the Posix
         # store's start-up scan treats temporaries of its own PID as stale.
         self.store.get()
+        # --- Blend (ucm_sparse_config: {Blend: ...}): None otherwise.
+        from ucm.sparse.blend.vllm_integration import BlendScheduler, blend_config_from
+
+        bcfg = blend_config_from(c.ucm_sparse_config)
+        self._blend = BlendScheduler(vllm_config, bcfg) if bcfg is not None else None
+        # ReRoPE changes every layer's KV past the first: keep it apart from plain KV.
+        from ucm.sparse.rerope.vllm_patch import rerope_hash_salt
+
+        self._sparse_salt = rerope_hash_salt(c.ucm_sparse_config)
+        # --- end Blend
 
     # -- hashing & lookup ------------------------------------------------------
     def _meta_for(self, request: Request) -> str | None:
@@ -158,7 +169,7 @@ class UCMSchedulerSide:
             or getattr(request, "prompt_embeds", None) is not None
         ):
             return None
-        meta = self.geom.meta
+        meta = self.geom.meta + self._sparse_salt
         if self.cfg.connector.hash_salt:
             meta += f"|salt={self.cfg.connector.hash_salt}"
         lora = getattr(request, "lora_request", None)
@@ -194,6 +205,19 @@ class UCMSchedulerSide:
         store = self.store.get()
         if store is None:
             return 0, False
+        if self._blend is not None:  # --- Blend: chunk lookup; a BLEND plan reports its prefix
+            meta = self._meta_for(request)
+            try:
+                plan = self._blend.lookup(
+                    request, local * B, store, meta or "", self.cfg.connector.hash_algo
+                )
+            except Exception as e:
+                self.store.report_failure(e, "lookup")
+                return 0, False
+            if plan is not None and meta is not None:
+                ext = plan.prefix_hit_blocks - local
+                self._lookups[request.request_id] = (local, ext)
+                return ext * B, False
         try:
             ext = store.lookup_on_prefix(ids[local:]) + 1
         except Exception as e:
@@ -258,6 +282,10 @@ class UCMSchedulerSide:
                     st.save_extra = [i for i, p in enumerate(present) if not p]
                 except Exception as e:
                     self.store.report_failure(e, "lookup")
+        if self._blend is not None:  # --- Blend: the plan's chunks load with the prefix
+            st.blend = self._blend.allocated(req_id, num_external_tokens)
+            if st.blend is not None:
+                st.save_limit, st.saved_upto, st.save_extra = 0, 0, []
         self._reqs[req_id] = st
         looked = request.num_tokens - local_blocks * B
         if looked > 0:
@@ -284,7 +312,8 @@ class UCMSchedulerSide:
         save_idx = list(st.save_extra)
         if upto > st.saved_upto:
             save_idx.extend(range(st.saved_upto, upto))
-        if load is None and not save_idx:
+        blend = self._blend.take(req_id) if self._blend is not None else None
+        if load is None and not save_idx and blend is None:
             return None
         vblocks = self._vllm_blocks(req_id, fallback)
         if vblocks is None:
@@ -295,8 +324,11 @@ class UCMSchedulerSide:
             b = min(b, len(vblocks))
             t.load_ids = st.ids[a:b]
             t.load_blocks = vblocks[a:b]
+            t.load_first = a
             st.pending_load = None
             st.last_load = (a, b)
+        if blend is not None and self._blend is not None:  # --- Blend: chunk loads + plan
+            self._blend.attach(t, blend, vblocks)
         save_idx = [i for i in save_idx if i < len(vblocks)]
         if save_idx:
             t.save_ids = [st.ids[i] for i in save_idx]
@@ -368,6 +400,8 @@ class UCMSchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         req_id = request.request_id
+        if self._blend is not None:
+            self._blend.forget(req_id)
         self._reqs.pop(req_id, None)
         self._hashes.pop(req_id, None)
         self._lookups.pop(req_id, None)

@@ -20,91 +20,89 @@ Modules:
   bookkeeping (:class:`BlendStep`);
 * :mod:`~ucm.sparse.blend.method` -- :class:`Blend`, the hooks;
 * :mod:`~ucm.sparse.blend.refmodel` -- a torch Llama with vLLM's CPU KV
-  layout that runs the whole flow (tests, ``benches/blend_ttft.py``).
+  layout that runs the whole flow (tests, ``benches/blend_ttft.py``);
+* :mod:`~ucm.sparse.blend.vllm_integration` -- Blend on vLLM 0.32 through
+  the UCM connector (below);
+* :mod:`~ucm.sparse.blend.vllm_child` -- one vLLM engine in a child process
+  (the vLLM tests and ``benches/blend_ttft.py --vllm``).
 
-vLLM integration (design; the connector side lands with
-``ucm/integration/vllm``, the layer patches with the sparse wiring)
-===================================================================
+vLLM integration (implemented; vLLM 0.32-0.33, ``enforce_eager=True``)
+=====================================================================
 
-Scheduler (connector, ``get_num_new_matched_tokens``)
-    ``Blend.plan(request.prompt_token_ids, store, meta, request.kv_transfer_params,
-    num_computed_tokens=...)``. BUILD_CHUNK_CACHE and PREFIX plans behave
-    exactly like the plain connector (report ``prefix_hit_blocks * B``
-    external tokens, dump ``dump_block_indices``). A BLEND plan reports only
-    its exact prefix (``plan.prefix_tokens``) as external tokens -- vLLM
-    must still schedule every other token, because every one of them runs
-    at least the layers before the check layer -- and records the chunk
-    loads. Chunked prefill must be off for blended requests (the selection
-    needs all the request's rows in one step; ``build_step`` raises
-    otherwise): the connector answers ``None`` ("ask later") or falls back
-    to PREFIX when the budget is too small. HBM prefix hits are supported
-    (``num_computed_tokens``), unlike the original.
+Enabled by ``ucm_sparse_config: {Blend: {...}}`` in the UCM connector's
+``kv_connector_extra_config``. The connector halves call
+:class:`~ucm.sparse.blend.vllm_integration.BlendScheduler` and
+:class:`~ucm.sparse.blend.vllm_integration.BlendWorker` from a few
+delimited call sites in ``ucm/integration/vllm/{scheduler,worker}.py``
+(``sparse_bridge`` leaves Blend to them).
 
-Connector metadata (``build_connector_meta``)
-    Per blended request: the store ids and the vLLM block ids of every load
-    (``block_ids[0][ld.block_index]``), the per-block ``delta``
-    (``ld.new_start - ld.cached_start``) for chunk loads, and the
-    ``reused``/``forced`` row masks (``plan.reused_mask()``,
-    ``plan.forced_mask()`` from ``plan.prefix_tokens`` on). Nothing is
-    dumped for a BLEND plan.
+Scheduler (``get_num_new_matched_tokens`` / ``update_state_after_alloc`` / ``build_connector_meta``)
+    Every new request is planned with :meth:`Blend.plan` (its
+    ``kv_transfer_params`` may carry ``ucm_blend_chunks`` / ``ucm_blend_build``;
+    vLLM's device prefix hit is ``num_computed_tokens``). BUILD_CHUNK_CACHE
+    and PREFIX plans take the plain connector path (prefix reuse, dump). A
+    BLEND plan reports only its exact prefix as external tokens -- every
+    other token is scheduled, since each runs at least the layers before the
+    check layer -- and falls back to PREFIX when its uncached tokens exceed
+    ``max_num_batched_tokens`` (the selection needs all rows in one step).
+    Its chunk blocks are appended to the request's loads (store id ->
+    ``block_ids[0][block_index]``) and the plan travels with the request's
+    block ids in ``ReqTransfer.blend``; nothing of it is saved.
 
-Worker: loads and delta-RoPE (``start_load_kv`` / ``wait_for_layer_load``)
-    Loads go into the request's own blocks. Layers before the first check
-    layer overwrite them with fresh KV anyway, so a layer-wise connector can
-    skip those layers' loads. In ``wait_for_layer_load(layer)`` (or once per
-    layer after a direct load) call ``Blend.rotate_loaded_blocks(layer,
-    vllm_block_ids, deltas)``; the model's table comes from
-    ``Blend.set_rotary(rotary_emb.cos_sin_cache, rotary_emb.is_neox_style)``,
-    found on any attention module of the model (``setup_model``).
+Worker: loads and delta-RoPE
+    A step with a blended request loads whole-step even in layer-wise mode,
+    and already when the step's metadata is bound: vLLM calls
+    ``wait_for_layer_load`` after the layer's KV write (loaded KV would land
+    over the fresh KV of the layers before the check layer), and it calls
+    ``start_load_kv`` only *after* the forward when no request of the step
+    reports external tokens (a blend whose exact prefix is all in vLLM's
+    prefix cache). After the loads :meth:`Blend.rotate_loaded_blocks` moves every
+    loaded chunk block's keys by ``new_start - cached_start`` on the layers
+    from the first check layer on (earlier layers are recomputed), with the
+    model's ``rotary_emb.cos_sin_cache``. A request whose load failed is not
+    blended (all its rows are recomputed).
 
-Worker: step metadata (``build_sparse_meta`` / ``execute_begin``)
-    ``Blend.bind_step(build_step([(req_id, plan_or_None, first_row, num_rows),
-    ...], slot_mapping, positions))`` for the batch in row order (decode
-    requests at the front are all forced rows); ``None`` when no request of
-    the step blends, which makes every hook a pass-through.
+Worker: per-instance patches (``BlendWorker.install``; undone at shutdown)
+    The model is found from ``static_forward_context`` (the outermost live
+    module with ``compute_logits`` that holds the attention layers).
 
-Worker: the check layer(s) -- ``attention_begin`` *before the KV write*
-    vLLM 0.32 writes a layer's K/V in ``unified_kv_cache_update``
-    (``impl.do_kv_cache_update``) *before* ``impl.forward``, but the
-    selection must compare the fresh keys with the loaded ones still in the
-    cache, and then write only the kept rows. So at check layers the hook
-    goes around ``do_kv_cache_update`` (wrapped per instance like
-    ``impl.forward``): run ``Blend.attention_begin(q, k, v, layer, meta)``
-    there -- it computes the fused deviation over the reused rows, keeps per
-    request the forced rows and the top ``floor(share * n_reused)``, and cuts
-    q/k/v and rewrites ``slot_mapping``, ``query_start_loc``,
-    ``num_actual_tokens`` and ``max_query_len`` -- then write the kept rows
-    only. The query/output tensors that ``impl.forward`` receives must be
-    cut the same way (the wrapper keeps the kept indices from the first
-    call). In 0.32 ``slot_mapping`` also lives in
-    ``forward_context.slot_mapping[layer_name]`` -- rewrite that entry for the
-    check layer and every later layer.
+    * ``Attention.forward`` from the first check layer on. At the first
+      check layer the step is bound from the forward context
+      (:func:`build_step`: rows, ``slot_mapping`` and positions of every
+      request from ``query_start_loc``/``seq_lens``; a blended request is the
+      one whose first query row has the slot of its first non-prefix token
+      and whose rows are its whole remainder -- otherwise, e.g. a split
+      prefill, it is simply not blended, which gives the full-prefill
+      result). At each check layer, *before* vLLM's KV write
+      (``unified_kv_cache_update`` runs inside ``Attention.forward``),
+      :meth:`Blend.attention_begin` compares the fresh keys with the loaded
+      ones still in the cache, keeps the forced rows and the top share of the
+      reused ones, and cuts q/k/v; ``forward_context.slot_mapping`` of this
+      and every later layer becomes the kept rows' slots, so vLLM writes only
+      their KV and the others keep the loaded KV.
+    * ``impl.forward`` from the first check layer on: once rows were dropped,
+      :meth:`Blend.sparse_attention` (position-causal paged attention over the
+      cache) replaces the backend, whose kernels would place a query at
+      ``seq_len - q_len + i``.
+    * decoder layers' ``forward`` (``layer_begin``: the model passes the full
+      ``positions`` to every layer) and ``post_attention_layernorm``
+      (``ffn_begin``: the residual still has the rows of before the cut).
+    * the model's ``forward``: scatters the kept rows back into the step's
+      row count, so the runner's ``hidden_states[logits_indices]`` (each
+      request's last row, always kept) is unchanged. Dropped rows are zero:
+      prompt logprobs of a blended request are not meaningful.
 
-Worker: attention of the kept rows -- ``sparse_attention``
-    After the first check layer the rows are a non-contiguous subset of the
-    prompt; vLLM's kernels (CPU and flash) place query ``i`` at position
-    ``seq_len - q_len + i``, which would be wrong, so ``Blend.sparse_attention``
-    attends each kept row to keys ``0..position`` with the position-causal
-    paged kernel (:func:`ucm.sparse.rerope.ops.paged_attention`, Triton on
-    GPU, torch on CPU). Decode steps never shrink and use the backend.
+    Decode steps and steps without a blended request pass through. In
+    ``python/tests/blend/test_blend_vllm.py`` a blended prefill on vLLM gives
+    the reference stack's tokens (first-token log probability within 1e-3),
+    and with ratio 1.0 vLLM's own full-prefill tokens.
 
-Worker: the residual stream -- ``layer_begin`` / ``ffn_begin``
-    The decoder layers are patched per instance (``LlamaDecoderLayer``,
-    ``Qwen2DecoderLayer``, ...): ``layer_begin`` at the start of each layer
-    cuts ``positions`` (the model passes the full tensor to every layer) and
-    ``hidden_states``/``residual`` when they still have the old row count;
-    ``ffn_begin`` runs *before* ``post_attention_layernorm`` (the fused
-    residual add), cutting ``residual`` to the rows the attention output
-    has. ``ucm.sparse.vllm_hooks.install_worker_hooks`` refuses methods that
-    override these hooks until those patches exist.
-
-Worker: logits -- ``execute_finished``
-    Maps the runner's ``logits_indices`` (each request's last row, which is
-    always forced) into the shrunk rows. In 0.32 the index is computed in
-    ``GPUModelRunner._prepare_inputs`` and consumed after the forward, so the
-    hook must run between the model's forward and ``compute_logits``
-    (wrapping ``model.compute_logits``, whose ``hidden_states`` then has the
-    shrunk row count, or the runner's sampling of ``hidden_states[logits_indices]``).
+Limits: Llama/Qwen-style decoder layers (``self_attn`` with ``rotary_emb``
+and ``attn``, ``post_attention_layernorm``); ``enforce_eager`` (the patches
+and the changing row count are invisible to a compiled graph); no pipeline
+parallelism; one KV cache group. vLLM's own prefix cache registers a
+blended request's blocks under the prompt's chained hashes, so an identical
+later prompt reuses the blended (approximate) KV from device memory.
 
 What the original did differently: HKVD only at one layer, CUDA only,
 no HBM prefix hits, bottom-right-causal attention for the kept rows

@@ -11,8 +11,8 @@ for the surviving rows with their true positions
 (built from the plans by :func:`build_step`).
 
 The same hooks drive the torch reference stack
-(:mod:`ucm.sparse.blend.refmodel`) now and vLLM once the connector and the
-decoder-layer patches exist (see :mod:`ucm.sparse.blend`).
+(:mod:`ucm.sparse.blend.refmodel`) and vLLM
+(:mod:`ucm.sparse.blend.vllm_integration`, see :mod:`ucm.sparse.blend`).
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ class Blend(UcmSparseBase):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
         output: torch.Tensor,
+        scale: float | None = None,
     ) -> bool:
         """After rows were dropped: attention of the surviving rows at their true positions.
 
@@ -229,7 +230,7 @@ class Blend(UcmSparseBase):
             attn_metadata.seq_lens,
             step.active_query_start_loc().to(query.device),
             step.positions[step.active].to(query.device),
-            getattr(attn_metadata, "scale", None),
+            scale if scale is not None else getattr(attn_metadata, "scale", None),
             out=output,
             impl=self.impl,
         )

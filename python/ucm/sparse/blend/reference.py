@@ -51,6 +51,17 @@ def delta_rope(
         return
     b = k_cache.shape[1]
     cs = cos_sin_cache.float()
+    if num_tokens is None:
+        # Every token of every block: one gather, one rotation, one scatter
+        # (same arithmetic as the per-block loop below; block ids are distinct).
+        ids = block_ids.to(device=k_cache.device, dtype=torch.long)
+        d = deltas.to(device=k_cache.device, dtype=torch.long)
+        d = d.reshape(n, 1).expand(n, b) if d.numel() == n else d.reshape(n, b)
+        cos, sin = cos_sin_at(cs.to(k_cache.device), d.reshape(-1))
+        x = k_cache[ids].float()  # [n, B, H, D]
+        rot = rotate(x.reshape(n * b, *x.shape[2:]), cos, sin, is_neox)
+        k_cache[ids] = rot.reshape(x.shape).to(k_cache.dtype)
+        return
     for i in range(n):
         blk = int(block_ids[i])
         ntok = b if num_tokens is None else min(b, int(num_tokens[i]))

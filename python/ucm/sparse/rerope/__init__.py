@@ -22,7 +22,14 @@ Modules:
   ``REROPE=False`` gives position-causal attention (Blend uses it);
 * :mod:`~ucm.sparse.rerope.ops` -- dispatch (Triton / torch);
 * :mod:`~ucm.sparse.rerope.method` -- :class:`ReRoPE` (K2 cache, hooks);
-* :mod:`~ucm.sparse.rerope.vllm_patch` -- the vLLM 0.32 integration.
+* :mod:`~ucm.sparse.rerope.vllm_patch` -- the vLLM 0.32 integration:
+  by hand (``install_rerope``) or through the UCM connector config
+  (``ucm_sparse_config: {ReRoPE: {rerope_window, training_length}}``, with
+  ``enforce_eager=True`` and ``hf_overrides`` raising
+  ``max_position_embeddings``). Through the connector, block ids are salted
+  with the ReRoPE parameters (ReRoPE KV never mixes with plain-RoPE KV) and
+  K2 of blocks loaded from the store is derived from their K
+  (:meth:`ReRoPE.rebuild_k2`); loads are whole-step.
 
 KV storage and its cost
 =======================

@@ -39,8 +39,12 @@ original UCM patch. :func:`ensure_rotary_capacity` instead extends a plain
 ``RotaryEmbedding`` table in place (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``).
 
 Entry points: :func:`install_rerope_on_model` (in the worker, given the
-model) and :func:`install_rerope` (an offline ``vllm.LLM``; runs the former
-through ``LLM.apply_model``, in-process engines only).
+model); :func:`install_rerope_from_connector`, which the UCM connector's
+worker calls from ``register_kv_caches`` when the connector config says
+``ucm_sparse_config: {ReRoPE: {...}}`` (it finds the model with
+:func:`find_vllm_model`); and :func:`install_rerope` (an offline
+``vllm.LLM``; runs the first through ``LLM.apply_model``, in-process
+engines only).
 """
 
 from __future__ import annotations
@@ -138,7 +142,29 @@ class ReRoPEInstall:
     agent: ReRoPE
     layers: list[str] = field(default_factory=list)
     handle: HookHandle = field(default_factory=lambda: HookHandle("rerope"))
+    kv_caches: dict[str, torch.Tensor] = field(default_factory=dict)
+    rebuilt_blocks: int = 0
+    """Loaded blocks whose K2 :meth:`rebuild_loaded` derived."""
     _modules: list[tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=list)
+
+    def rebuild_loaded(self, loads: list[tuple[list[int], int]], block_size: int) -> None:
+        """K2 of blocks a connector loaded into the KV cache (the store holds K and V only).
+
+        ``loads``: per request, the vLLM block ids and the request's block
+        index of the first one (consecutive prefix blocks).
+        """
+        ids: list[int] = []
+        first: list[int] = []
+        for blocks, start in loads:
+            ids += list(blocks)
+            first += [(start + j) * block_size for j in range(len(blocks))]
+        if not ids:
+            return
+        t_ids = torch.tensor(ids, dtype=torch.int64)
+        t_first = torch.tensor(first, dtype=torch.int64)
+        for name in self.layers:
+            self.agent.rebuild_k2(name, self.kv_caches[name], t_ids, t_first)
+        self.rebuilt_blocks += len(ids)
 
     def replace_rotary(self, mod: torch.nn.Module, new: torch.nn.Module) -> None:
         # nn.Module children live in ``_modules``, not ``__dict__``: restore by setattr.
@@ -235,6 +261,7 @@ def install_rerope_on_model(
     if not inst.layers:
         raise NotImplementedError("no supported attention module found in the model")
     agent.initialize_kv_cache_tensors(kv_caches)
+    inst.kv_caches = kv_caches
     rep = agent.memory_report()
     _LOG.info(
         "ReRoPE on %d layers (W=%d, L=%d): K2 cache %.1f MiB, +%.0f%% of the KV cache",
@@ -245,6 +272,73 @@ def install_rerope_on_model(
         100 * rep["overhead"],
     )
     return inst
+
+
+def find_vllm_model(static_forward_context: dict[str, Any]) -> torch.nn.Module:
+    """The loaded model that owns the attention layers of ``static_forward_context``.
+
+    The connector sees the layers (``vllm_config.compilation_config.
+    static_forward_context``, layer name -> ``Attention``) but not the model
+    runner, and ``nn.Module`` keeps no parent links. The model is the
+    outermost live ``nn.Module`` with ``compute_logits`` (every vLLM
+    generative model has it) that contains one of those layers; the garbage
+    collector lists the live modules. Runs once per engine (well under a
+    second with a loaded vLLM).
+    """
+    import gc
+
+    layers = [m for m in static_forward_context.values() if hasattr(m, "impl")]
+    if not layers:
+        raise RuntimeError("no attention layer in static_forward_context")
+    target = layers[0]
+    found = [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, torch.nn.Module)
+        and callable(getattr(obj, "compute_logits", None))
+        and any(m is target for m in obj.modules())
+    ]
+    # Keep the outermost (a wrapper, e.g. LoRA, contains the model).
+    outer = [m for m in found if not any(o is not m and m in list(o.modules()) for o in found)]
+    if len(outer) != 1:
+        raise RuntimeError(f"cannot tell the model of the attention layers ({len(outer)} found)")
+    return outer[0]
+
+
+def rerope_hash_salt(sparse_config: dict[str, Any] | None) -> str:
+    """Block-id salt of a connector with ``ucm_sparse_config: {ReRoPE: ...}`` ("" otherwise).
+
+    ReRoPE attention changes the KV of every layer after the first, so its
+    blocks must never be mixed with plain-RoPE blocks (or another window).
+    """
+    from ucm.sparse.config import parse_sparse_config
+
+    spec = parse_sparse_config(sparse_config)
+    if spec is None or spec.name != "ReRoPE":
+        return ""
+    c = spec.config
+    return f"|rerope=w{c.rerope_window}:l{c.training_length}:log{int(c.log_n_scaling)}"
+
+
+def install_rerope_from_connector(
+    vllm_config: Any, config: ReRoPEConfig, version: str | None = None
+) -> ReRoPEInstall:
+    """``ucm_sparse_config: {ReRoPE: {...}}`` in the UCM connector: installs
+    ReRoPE on the worker's model (called from ``register_kv_caches``, when
+    the KV cache is bound to the layers).
+
+    ``training_length`` defaults to the model config's
+    ``max_position_embeddings``; set it when ``hf_overrides`` raised that
+    (the override is what vLLM's config holds).
+    """
+    if not vllm_config.model_config.enforce_eager:
+        raise ValueError(
+            "ucm_sparse_config.ReRoPE needs enforce_eager=True: the patched rotary and "
+            "attention pass tensors between Python calls a compiled graph would not replay"
+        )
+    cfg = config.resolved(int(vllm_config.model_config.hf_text_config.max_position_embeddings))
+    model = find_vllm_model(vllm_config.compilation_config.static_forward_context)
+    return install_rerope_on_model(model, cfg, version=version)
 
 
 #: Installs made through :func:`install_rerope`, by id (the worker runs in this process).
