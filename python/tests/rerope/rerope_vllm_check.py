@@ -17,19 +17,12 @@ prompt is served twice, the second time loading its prefix from the store
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 
-os.environ.update(
-    HF_HUB_OFFLINE="1",
-    TRANSFORMERS_OFFLINE="1",
-    VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    VLLM_NO_USAGE_STATS="1",
-    DO_NOT_TRACK="1",
-    TOKENIZERS_PARALLELISM="false",
-)
-os.environ.pop("TRITON_INTERPRET", None)
+from ucm.integration.vllm.harness import prepare_engine_child
+
+prepare_engine_child()
 
 PROMPT_LEN = 2048
 MAX_TOKENS = 8

@@ -20,25 +20,18 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.update(
-    HF_HUB_OFFLINE="1",
-    TRANSFORMERS_OFFLINE="1",
-    VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    VLLM_NO_USAGE_STATS="1",
-    DO_NOT_TRACK="1",
-    TOKENIZERS_PARALLELISM="false",
-)
-os.environ.pop("TRITON_INTERPRET", None)  # the CPU build runs the torch reference ops
+from ucm.integration.vllm.harness import prepare_engine_child
+
+prepare_engine_child()
 
 # After the environment: ucm.sparse reads TRITON_INTERPRET when imported.
-from ucm.sparse.base import UcmSparseBase
+from ucm.sparse.base import UcmSparseBase  # noqa: E402
 
 BLOCK = 32
 SPEC = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}

@@ -40,20 +40,32 @@ CONNECTOR = {
 }
 
 
+OFFLINE_ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Offline, with the engine core in the engine's own process (tests read its state)."""
+
+
+def prepare_engine_child() -> None:
+    """For a child process that runs vLLM itself; call before vLLM or
+    :mod:`ucm.sparse` is imported. vLLM's CPU build runs the torch reference
+    ops, so an inherited ``TRITON_INTERPRET`` (set by the test suite) goes."""
+    os.environ.update(OFFLINE_ENGINE_ENV)
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
 def engine_env(**extra: str) -> dict[str, str]:
     """Environment for an engine child: offline, in-process engine core,
     ``python/`` importable, no stray ``UCM_*`` settings."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[3])
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p),
-    )
+    env.update(OFFLINE_ENGINE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     for k in [k for k in env if k.startswith("UCM_")]:
         del env[k]
     env.update(extra)

@@ -29,15 +29,9 @@ from typing import Any
 
 def main() -> None:
     """The child: set up the environment before vLLM is imported, run the ops."""
-    os.environ.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    os.environ.pop("TRITON_INTERPRET", None)  # vLLM's CPU build must not interpret kernels
+    from ucm.integration.vllm.harness import prepare_engine_child
+
+    prepare_engine_child()
     arg = sys.argv[1]
     spec = json.loads(Path(arg).read_text() if not arg.lstrip().startswith("{") else arg)
     from vllm import LLM, SamplingParams
