@@ -1,20 +1,4 @@
-"""Sparse-attention tests: Triton kernels run on CPU through the interpreter.
+"""Kernel tests run on CPU through the Triton interpreter (set by the root
+``conftest.py``); shapes stay small and odd because the interpreter is slow."""
 
-``TRITON_INTERPRET=1`` must be set before ``triton`` (and the kernel module)
-is imported: Triton decides at ``@triton.jit`` time whether a kernel is
-interpreted. Shapes stay small, because the interpreter is slow.
-"""
-
-from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(1234)
+from kernel_checks import assert_close_fixture, seeded_torch  # noqa: F401
