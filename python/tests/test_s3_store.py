@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
 from servers import DelayProxy, MotoServer, free_port
 
 from ucm.shared.config import ConfigError
@@ -35,14 +36,6 @@ from ucm.store import (
     UcmStoreError,
 )
 from ucm.store.remote_config import S3StoreConfig
-
-SHARD = 32 * 1024
-SHARDS = 4
-CACHE_KEYS = {
-    "cache_buffer_capacity_gb": 0.02,
-    "write_back_interval": 0.01,
-    "write_back_max_backoff": 0.2,
-}
 
 
 @pytest.fixture(scope="module")
@@ -76,33 +69,6 @@ def s3_config(server: MotoServer, bucket: str, **overrides: Any) -> dict[str, An
 
 def open_store(cfg: dict[str, Any]) -> UcmKVStoreBase:
     return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
-
-
-def bid(n: int) -> bytes:
-    return n.to_bytes(8, "little") + b"\x3c" * 8
-
-
-def block_data(n: int) -> np.ndarray:
-    """Block ``n``'s bytes, shaped (SHARDS, 2, SHARD // 2)."""
-    rng = np.random.default_rng(n)
-    return rng.integers(0, 256, size=(SHARDS, 2, SHARD // 2), dtype=np.uint8)
-
-
-def dump(store: UcmKVStoreBase, blocks: list[int], shards: range = range(SHARDS)) -> None:
-    data = {n: block_data(n) for n in blocks}
-    ids = [bid(n) for n in blocks for _ in shards]
-    idx = [s for _ in blocks for s in shards]
-    tensors = [[data[n][s, 0], data[n][s, 1]] for n in blocks for s in shards]
-    store.wait(store.dump(ids, idx, tensors))
-
-
-def load(store: UcmKVStoreBase, blocks: list[int]) -> dict[int, np.ndarray]:
-    out = {n: np.zeros((SHARDS, 2, SHARD // 2), dtype=np.uint8) for n in blocks}
-    ids = [bid(n) for n in blocks for _ in range(SHARDS)]
-    idx = [s for _ in blocks for s in range(SHARDS)]
-    tensors = [[out[n][s, 0], out[n][s, 1]] for n in blocks for s in range(SHARDS)]
-    store.wait(store.load(ids, idx, tensors))
-    return out
 
 
 def object_key(n: int) -> str:
