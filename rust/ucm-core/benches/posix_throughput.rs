@@ -9,6 +9,11 @@
 //! run followed by one baseline run, so slow drifts of a shared machine
 //! affect both sides of each pair alike.
 //!
+//! The store runs at capacity, as a cache does in steady state: its
+//! `capacity_bytes` holds a few rounds, so each round's dump makes the
+//! store evict (and recycle) the blocks of an older one in the background,
+//! inside the timed period.
+//!
 //! Run: `cargo bench -p ucm-core --bench posix_throughput`
 //! (set `UCM_BENCH_DIR` to measure another file system; default: a temporary
 //! directory under the current directory's file system, i.e. the disk).
@@ -26,6 +31,8 @@ use ucm_core::{BlockId, MemSeg, ShardIo};
 
 const TOTAL: usize = 128 << 20;
 const QD: usize = 4;
+/// Rounds of TOTAL bytes the store holds before it evicts.
+const CAPACITY_ROUNDS: usize = 3;
 
 struct Row {
     case: String,
@@ -92,6 +99,7 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
         io_engine: engine,
         io_threads: QD,
         timeout_ms: 0,
+        capacity_bytes: (CAPACITY_ROUNDS * TOTAL) as u64 + (TOTAL / shard) as u64 * 8192,
         ..Default::default()
     })
     .unwrap();
@@ -119,7 +127,6 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
                 store.wait(t).unwrap();
                 let d = t0.elapsed();
                 total += d;
-                remove_round(&store, shard, round);
                 // A baseline run right after each store run: the pairs see
                 // the same machine state, so their ratio is robust to drift.
                 let base = base(dir.path(), IoOp::Write, shard);
@@ -168,12 +175,6 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
 
 fn base(dir: &Path, op: IoOp, shard: usize) -> f64 {
     baseline_direct_io(dir, op, TOTAL, shard, QD).unwrap()
-}
-
-fn remove_round(store: &PosixStore, shard: usize, round: u64) {
-    for n in 0..TOTAL / shard {
-        let _ = std::fs::remove_file(store.block_path(&id(round, n as u64)));
-    }
 }
 
 fn benches(c: &mut Criterion) {

@@ -462,6 +462,53 @@ fn capacity_evicts_least_recently_used_and_restart_restores_state() {
 }
 
 #[test]
+fn evicted_files_are_recycled_and_rewritten_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, true);
+    cfg.spare_files = 2;
+    let file_len = {
+        let s = PosixStore::open(cfg.clone()).unwrap();
+        s.layout().file_len()
+    };
+    cfg.capacity_bytes = file_len * 6;
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    // Every block has its own bytes, so a recycled file still holding its
+    // old block's data would fail the comparison below.
+    let data = |n: u32, s: usize| Buf::filled(SHARD, n * 4 + s as u32, 0);
+    for n in 0..40u32 {
+        let bufs: Vec<Buf> = (0..4).map(|s| data(n, s)).collect();
+        let t = store
+            .dump((0..4).map(|s| bufs[s].shard(id(n), s)).collect(), 0)
+            .unwrap();
+        store.wait(t).unwrap();
+        // Let the evictor keep up, so recycled files are reused.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while store.stats().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let st = store.stats();
+    assert!(st.evictions >= 30, "{st:?}");
+    assert!(st.files_recycled >= 10, "{st:?}");
+    // The spare directory never holds more than the pool's cap (4 x 2).
+    let spares = std::fs::read_dir(dir.path().join(".spare"))
+        .unwrap()
+        .count();
+    assert!(spares <= 8, "{spares} spare files");
+    let present = store.lookup(&(0..40).map(id).collect::<Vec<_>>()).unwrap();
+    assert!(present[39] && !present[0], "{present:?}");
+    for n in (0..40u32).filter(|n| present[*n as usize]) {
+        for s in 0..4 {
+            let out = Buf::new(SHARD, 0);
+            let t = store.load(vec![out.shard(id(n), s)]).unwrap();
+            store.wait(t).unwrap();
+            assert_eq!(out.slice(), data(n, s).slice(), "block {n} shard {s}");
+        }
+    }
+}
+
+#[test]
 fn lookup_only_role_refuses_transfers() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), IoEngineKind::Psync, false);

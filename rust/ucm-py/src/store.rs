@@ -507,6 +507,7 @@ impl PyStore {
             d.set_item("blocks_committed", s.blocks_committed)?;
             d.set_item("evictions", s.evictions)?;
             d.set_item("corrupt_loads", s.corrupt_loads)?;
+            d.set_item("files_recycled", s.files_recycled)?;
             d.set_item("io_engine", p.engine_name())?;
         }
         Ok(d)

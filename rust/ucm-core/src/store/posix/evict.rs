@@ -73,7 +73,15 @@ pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
                 .counters
                 .evictions
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let _ = std::fs::remove_file(shared.paths.block(&id));
+            let path = shared.paths.block(&id);
+            if shared.spares.recycle(shared.paths.root_index(&id), &path) {
+                shared
+                    .counters
+                    .files_recycled
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            } else {
+                let _ = std::fs::remove_file(path);
+            }
             evicted += 1;
         }
     }

@@ -60,6 +60,8 @@ pub struct PosixStats {
     pub evictions: u64,
     /// Loads that failed verification.
     pub corrupt_loads: u64,
+    /// Evicted block files kept as spare files for later dumps.
+    pub files_recycled: u64,
 }
 
 #[derive(Default)]
@@ -69,6 +71,7 @@ struct Counters {
     blocks_committed: AtomicU64,
     evictions: AtomicU64,
     corrupt_loads: AtomicU64,
+    files_recycled: AtomicU64,
 }
 
 /// State shared by the caller threads, the workers and I/O completions.
@@ -208,6 +211,7 @@ impl PosixStore {
             blocks_committed: c.blocks_committed.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
             corrupt_loads: c.corrupt_loads.load(Ordering::Relaxed),
+            files_recycled: c.files_recycled.load(Ordering::Relaxed),
         }
     }
 

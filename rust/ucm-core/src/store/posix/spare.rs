@@ -17,6 +17,19 @@
 //! space for real blocks, so below [`PREALLOC_MIN_FREE`] free bytes (or 5 %
 //! of the file system) spares stay empty.
 //!
+//! Evicted block files are recycled as spares instead of being deleted:
+//! the file is already allocated to the right length, so the next dump
+//! overwrites it in place, and neither the delete nor a create happens.
+//! That matters in a store at capacity, where every dump is paired with an
+//! eviction: on ext4 a delete frees extents (a discard on `-o discard`
+//! mounts) and makes the following creates slow, because the inode
+//! allocator skips the inodes freed in the last half minute by reading
+//! their inode-table blocks (`recently_deleted`), which under a steady
+//! evict/dump churn cost more than writing a 1 MiB shard. A recycled file
+//! still holds its old block's bytes until overwritten; it is never
+//! published before every shard is written, so those bytes are never read
+//! as a block.
+//!
 //! Spares live in `<root>/.spare/` (the same file system as the block
 //! directories, so the publishing rename stays atomic), are named like other
 //! temporaries (`spare.tmp.<pid>.<instance>.<seq>`), are removed on close, and
@@ -93,6 +106,48 @@ impl SparePool {
             cv.notify_one();
         }
         path
+    }
+
+    /// Most spares a root may hold through recycling: the filler's target,
+    /// or as many full block files as fit the preallocation byte budget,
+    /// up to four times the target.
+    fn recycle_cap(&self) -> usize {
+        let by_bytes = PREALLOC_POOL_MAX
+            .checked_div(self.prealloc_len)
+            .unwrap_or(0) as usize;
+        by_bytes.clamp(self.target, self.target.saturating_mul(4))
+    }
+
+    /// Offers a block file that is being removed from the store (evicted) as
+    /// a spare under root `root`: renames it into the spare directory and
+    /// returns true, or returns false (the caller deletes it) when the pool
+    /// is disabled or full, or the rename fails.
+    pub fn recycle(&self, root: usize, file: &Path) -> bool {
+        if !self.enabled() || self.prealloc_len == 0 {
+            return false;
+        }
+        let Some(r) = self.roots.get(root) else {
+            return false;
+        };
+        if r.files.lock().len() >= self.recycle_cap() {
+            return false;
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let spare = r
+            .dir
+            .join(format!("spare{TMP_MARKER}{}.r{seq}", self.owner));
+        if std::fs::rename(file, &spare).is_err() {
+            return false;
+        }
+        let mut files = r.files.lock();
+        if files.len() >= self.recycle_cap() {
+            drop(files);
+            let _ = std::fs::remove_file(&spare);
+        } else {
+            // Recycled files are whole block files: hand them out first.
+            files.push_front(spare);
+        }
+        true
     }
 
     /// Number of spares ready (all roots).
@@ -243,6 +298,34 @@ mod tests {
             .unwrap()
             .collect();
         assert_eq!(left.len(), 1); // only the one we took
+    }
+
+    #[test]
+    fn recycles_block_files_up_to_the_cap() {
+        let d = tempfile::tempdir().unwrap();
+        let len = 64 << 20;
+        let pool = SparePool::new(&[d.path().to_path_buf()], 2, "1.3".into(), len);
+        make_private_dir(&d.path().join(SPARE_DIR)).unwrap();
+        // 256 MiB budget / 64 MiB files = 4 = cap (between 2 and 8).
+        assert_eq!(pool.recycle_cap(), 4);
+        let mut taken = Vec::new();
+        for i in 0..5 {
+            let f = d.path().join(format!("block{i}"));
+            std::fs::write(&f, [i as u8; 100]).unwrap();
+            let kept = pool.recycle(0, &f);
+            assert_eq!(kept, i < 4, "file {i}");
+            assert_eq!(f.exists(), !kept, "file {i}");
+        }
+        assert_eq!(pool.ready(), 4);
+        while let Some(p) = pool.take(0) {
+            assert!(p.starts_with(d.path().join(SPARE_DIR)));
+            taken.push(std::fs::read(&p).unwrap()[0]);
+        }
+        // The last recycled is handed out first; contents are the old ones.
+        assert_eq!(taken, vec![3, 2, 1, 0]);
+        assert!(!pool.recycle(1, &d.path().join("block4")), "no such root");
+        let off = SparePool::new(&[d.path().to_path_buf()], 0, "1.4".into(), len);
+        assert!(!off.recycle(0, &d.path().join("block4")), "pool disabled");
     }
 
     #[test]
