@@ -206,6 +206,41 @@ def test_full_hit_leaves_one_token_and_local_hits_are_skipped(tmp_path: Path) ->
     a.close()
 
 
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_layerwise_loads_the_block_vllm_writes_before_the_forward(
+    tmp_path: Path, lookahead: int
+) -> None:
+    """vLLM writes a layer's new KV before it waits for that layer's load; in
+    a full hit that write lands in the last loaded block, so that block must
+    be in place (every layer) when start_load_kv returns, and no later load
+    may overwrite the write."""
+    a = Side(tmp_path)
+    toks = tokens(4 * BS, 8)
+    save_prompt(a, "r1", toks, [0, 1, 2, 3])
+    a.close()
+    b = Side(tmp_path, use_layerwise=True, layerwise_lookahead=lookahead)
+    req = FakeRequest("r2", list(toks))
+    assert b.admit(req, [10, 11, 12, 13]) == 4 * BS - 1
+    meta = b.sched.build_connector_meta(sched_output(new=[("r2", 4 * BS - 1, 1)]))
+    w = b.worker
+    w.bind(meta)
+    w.start_load_kv()
+    assert torch.equal(b.kv[:, 13], a.kv[:, 3])  # before any layer wait
+    written = torch.full((H, C), 7.0)
+    for i in range(L):
+        b.kv[i, 13, :, BS - 1] = written  # the KV write of the computed token
+        w.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+        assert torch.equal(b.kv[i, 13, :, BS - 1], written), f"layer {i}"
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == set()
+    for src, dst in zip([0, 1, 2], [10, 11, 12], strict=True):
+        assert torch.equal(b.kv[:, dst], a.kv[:, src])
+    stats = w.get_kv_connector_stats()
+    assert stats is not None and stats.data["load_blocks"] == 4
+    w.clear()
+    b.close()
+
+
 def test_partial_overlap_and_salts(tmp_path: Path) -> None:
     a = Side(tmp_path)
     toks = tokens(6 * BS, 4)
@@ -220,7 +255,8 @@ def test_partial_overlap_and_salts(tmp_path: Path) -> None:
     b.close()
 
 
-def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path, lookahead: int) -> None:
     a = Side(tmp_path)
     toks = tokens(4 * BS, 6)
     save_prompt(a, "r1", toks, [0, 1, 2, 3])
@@ -232,7 +268,7 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path) -> None:
     raw[4096 + 100] ^= 0xFF
     path.write_bytes(bytes(raw))
 
-    b = Side(tmp_path, use_layerwise=True)
+    b = Side(tmp_path, use_layerwise=True, layerwise_lookahead=lookahead)
     req = FakeRequest("r2", list(toks))
     assert b.admit(req, [10, 11, 12, 13]) == 4 * BS - 1
     meta = b.sched.build_connector_meta(sched_output(new=[("r2", 4 * BS - 1, 1)]))
@@ -243,14 +279,23 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path) -> None:
         w.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
     w.wait_for_save()
     errors = w.get_block_ids_with_load_errors()
-    assert errors == {12, 13}  # from the corrupt block on: vLLM recomputes them
+    if lookahead == 0:
+        # Every layer's load was in flight when the failure was seen: blocks
+        # before the corrupt one were loaded in all layers.
+        assert errors == {12, 13}  # from the corrupt block on: vLLM recomputes them
+    else:
+        # The failure stopped the later layers' loads: blocks 10 and 11 have
+        # only their first layer, so they are reported too.
+        assert errors == {10, 11, 12, 13}
     b.sched.update_connector_output(SimpleNamespace(invalid_block_ids=errors))
     stats = w.get_kv_connector_stats()
-    assert stats is not None and stats.data["load_failed_blocks"] == 2
+    assert stats is not None and stats.data["load_failed_blocks"] == len(errors)
     w.clear()
-    # vLLM rewinds the request to block 2 and recomputes: blocks 2-3 are saved again.
-    meta, _ = b.step(sched_output(cached=[("r2", 2 * BS, 2 * BS)]))
-    assert meta.requests[0].save_blocks == [12, 13]
+    # vLLM rewinds the request to the first failed block and recomputes: the
+    # recomputed blocks are saved again (the corrupt one was removed).
+    first = min(errors) - 10
+    meta, _ = b.step(sched_output(cached=[("r2", first * BS, (4 - first) * BS)]))
+    assert meta.requests[0].save_blocks == sorted(errors)
     b.close()
 
 

@@ -509,6 +509,67 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
 }
 
 #[test]
+fn a_destination_changed_during_a_load_fails_it_but_keeps_the_block() {
+    use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let data = Buf::filled(SHARD, 3, 0);
+    let t = store
+        .dump((0..4).map(|s| data.shard(id(1), s)).collect(), 0)
+        .unwrap();
+    store.wait(t).unwrap();
+    let out = Buf::new(SHARD, 0);
+    let first = out.slice().as_ptr() as usize;
+    let stop = AtomicBool::new(false);
+    let mut errors = Vec::new();
+    std::thread::scope(|s| {
+        // The caller's own bug: it keeps writing a byte of the destination.
+        s.spawn(|| {
+            // SAFETY: the byte lies inside `out`, alive for the scope; the
+            // atomic has the layout of a u8.
+            let byte = unsafe { &*(first as *const AtomicU8) };
+            let mut v = 0u8;
+            while !stop.load(Ordering::Relaxed) {
+                v = v.wrapping_add(1) | 1;
+                byte.store(v, Ordering::Relaxed);
+            }
+        });
+        for _ in 0..50 {
+            match store.load(vec![out.shard(id(1), 0)]) {
+                Ok(t) => errors.extend(store.wait(t).err()),
+                Err(e) => errors.push(e),
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert!(
+        !errors.is_empty(),
+        "no load noticed the changing destination"
+    );
+    for e in &errors {
+        assert_eq!(e.code(), -50011, "{e}");
+        assert!(e.to_string().contains("stored block is intact"), "{e}");
+    }
+    // The block was not taken for corrupt: it is still there and loads.
+    assert!(store.lookup(&[id(1)]).unwrap()[0]);
+    assert_eq!(store.stats().corrupt_loads, 0);
+    let clean = Buf::new(SHARD, 0);
+    let t = store.load(vec![clean.shard(id(1), 0)]).unwrap();
+    store.wait(t).unwrap();
+    assert_eq!(clean.slice(), data.slice());
+}
+
+#[test]
+fn auto_engine_is_io_uring_for_direct_io_and_psync_for_buffered_io() {
+    let dir = tempfile::tempdir().unwrap();
+    let buffered = PosixStore::open(config(dir.path(), IoEngineKind::Auto, false)).unwrap();
+    assert_eq!(buffered.engine_name(), "psync");
+    drop(buffered);
+    let direct = PosixStore::open(config(dir.path(), IoEngineKind::Auto, true)).unwrap();
+    assert_eq!(direct.engine_name(), "uring");
+}
+
+#[test]
 fn lookup_only_role_refuses_transfers() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), IoEngineKind::Psync, false);

@@ -142,6 +142,7 @@ class _Load:
     store: UcmKVStoreBase | None
     req_idx: int
     layer_pos: list[int]
+    blocks: slice = field(default_factory=lambda: slice(None))  # which of the request's blocks
     host: Any = None  # staging buffer
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -204,6 +205,7 @@ class UCMWorkerSide:
         self._loads_pending = 0
         self._load_next = 0
         self._load_errors: set[int] = set()
+        self._load_part = slice(None)  # the blocks of each request _submit_loads loads
         self._load_failed_reqs: set[int] = set()
         # Save state.
         self._save_plan: list[tuple[str, list[bytes], list[int]]] = []
@@ -328,6 +330,7 @@ class UCMWorkerSide:
 
     # -- loads -------------------------------------------------------------------
     def start_load_kv(self) -> None:
+        self._load_part = slice(None)
         self._loads_by_layer.clear()
         self._loads_pending = 0
         self._load_failed_reqs = set()
@@ -348,8 +351,20 @@ class UCMWorkerSide:
                         store.prefetch([i for _, ids, _ in self._load_reqs for i in ids])
                 except Exception as e:  # only a hint
                     logger.debug("UCM prefetch failed: %s", e)
+            # vLLM writes a layer's new KV before it waits for that layer's
+            # load, and the last loaded block of a request holds the first
+            # token vLLM computes when the prompt is all hits: load those
+            # blocks (all layers) before the forward starts, so no load
+            # races with that write; the rest goes layer by layer.
+            self._load_part = slice(-1, None)
+            self._submit_loads(list(range(len(self.layout.layers))), key=-1)
+            self._wait_loads(-1)
+            self._load_part = slice(None, -1)
             for _ in range(min(self.lookahead, len(self.layout.layers))):
                 self._submit_load_layer()
+            if not self._loads_pending:  # one-block hits: all loaded already
+                self._load_next = len(self.layout.layers)
+                self._finish_load_step()
         else:
             self._submit_loads(list(range(len(self.layout.layers))), key=-1)
             self._wait_loads(-1)
@@ -375,10 +390,17 @@ class UCMWorkerSide:
     def _submit_loads(self, layer_pos: list[int], key: int) -> None:
         assert self.layout is not None and self.store is not None
         store = self.store.get()
-        for ri, (_req_id, ids, blocks) in enumerate(self._load_reqs):
+        part = self._load_part
+        for ri, (_req_id, all_ids, all_blocks) in enumerate(self._load_reqs):
             if ri in self._load_failed_reqs:
+                # Blocks this request no longer loads for these layers must
+                # be recomputed too, not only those that failed.
+                self._mark_failed(all_blocks)
                 continue
-            ld = _Load(task=None, store=store, req_idx=ri, layer_pos=layer_pos)
+            ids, blocks = all_ids[part], all_blocks[part]
+            if not ids:
+                continue
+            ld = _Load(task=None, store=store, req_idx=ri, layer_pos=layer_pos, blocks=part)
             self._loads_by_layer[key].append(ld)
             self._loads_pending += 1
             if store is None:
@@ -431,7 +453,7 @@ class UCMWorkerSide:
             if ld.error is None:
                 if self.staging is not None:
                     _, _, blocks = self._load_reqs[ld.req_idx]
-                    self.staging.scatter(ld.host, ld.layer_pos, blocks)
+                    self.staging.scatter(ld.host, ld.layer_pos, blocks[ld.blocks])
                 continue
             self._load_failed(ld)
 
@@ -487,9 +509,7 @@ class UCMWorkerSide:
                 self.store.report_failure(err, "load")
             # Tells the scheduler side to stop reporting hits for a while.
             self.stats.add(load_store_errors=1)
-        new = {blocks[i] for i in bad} - self._load_errors
-        self._load_errors |= new
-        self.stats.add(load_failed_blocks=len(new))
+        self._mark_failed([blocks[i] for i in bad])
         if first:
             logger.warning(
                 "UCM load of %d block(s) of request %s failed (%s); vLLM recomputes them",
@@ -497,6 +517,12 @@ class UCMWorkerSide:
                 req_id,
                 err,
             )
+
+    def _mark_failed(self, blocks: list[int]) -> None:
+        """Reports these KV blocks to vLLM as not loaded (it recomputes them)."""
+        new = set(blocks) - self._load_errors
+        self._load_errors |= new
+        self.stats.add(load_failed_blocks=len(new))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self.layerwise or not self._loads_pending:
