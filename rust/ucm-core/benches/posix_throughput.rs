@@ -20,12 +20,12 @@
 
 #![allow(clippy::unwrap_used)] // benchmark code: a panic is a failed run
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion, Throughput};
-use ucm_core::io::{baseline_direct_io, AlignedBuf, IoEngineKind, IoOp};
+use ucm_core::io::{AlignedBuf, BaselineFile, IoEngineKind, IoOp};
 use ucm_core::store::{PosixConfig, PosixStore, Store};
 use ucm_core::{BlockId, MemSeg, ShardIo};
 
@@ -103,6 +103,8 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
         ..Default::default()
     })
     .unwrap();
+    // One baseline file per case, overwritten and read again each time.
+    let baseline = Mutex::new(BaselineFile::create(dir.path(), TOTAL, shard, QD).unwrap());
     let mut src = AlignedBuf::new(TOTAL);
     for (i, x) in src.as_mut_slice().iter_mut().enumerate() {
         *x = (i * 131 + 7) as u8;
@@ -129,7 +131,7 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
                 total += d;
                 // A baseline run right after each store run: the pairs see
                 // the same machine state, so their ratio is robust to drift.
-                let base = base(dir.path(), IoOp::Write, shard);
+                let base = base(&baseline, IoOp::Write);
                 dumps.push((gbps(TOTAL, d), base));
             }
             total
@@ -148,7 +150,7 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
                 store.wait(t).unwrap();
                 let d = t0.elapsed();
                 total += d;
-                let base = base(dir.path(), IoOp::Read, shard);
+                let base = base(&baseline, IoOp::Read);
                 loads.push((gbps(TOTAL, d), base));
             }
             total
@@ -173,8 +175,8 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
     });
 }
 
-fn base(dir: &Path, op: IoOp, shard: usize) -> f64 {
-    baseline_direct_io(dir, op, TOTAL, shard, QD).unwrap()
+fn base(file: &Mutex<BaselineFile>, op: IoOp) -> f64 {
+    file.lock().unwrap().measure(op).unwrap()
 }
 
 fn benches(c: &mut Criterion) {

@@ -42,21 +42,8 @@ fn fill(buf: &mut [u8], seed: u64) {
 }
 
 /// Throughput in GB/s (10^9 bytes per second) of plain sequential O_DIRECT
-/// I/O on one scratch file in `dir`.
-///
-/// `io_size` is rounded up to 4 KiB. `queue_depth` threads (at least one)
-/// each move their contiguous share of the file, `io_size` bytes per call,
-/// with `pread`/`pwrite` (retrying short transfers). The file holds
-/// `total_bytes` rounded down to a multiple of `io_size * queue_depth` (at
-/// least one I/O per thread).
-///
-/// * `IoOp::Read`: the file is first written in full (O_DIRECT, untimed,
-///   then `fdatasync`), so the reads hit allocated, written blocks; O_DIRECT
-///   keeps the page cache out of it.
-/// * `IoOp::Write`: the file is preallocated with `fallocate` (falling back
-///   to `ftruncate` where unsupported), then overwritten; no fsync is timed.
-///
-/// The scratch file is removed afterwards. Only the transfer loop is timed.
+/// I/O on one scratch file in `dir`, created for this one measurement (see
+/// [`BaselineFile`]; benchmarks that measure repeatedly keep one).
 pub fn baseline_direct_io(
     dir: &Path,
     op: IoOp,
@@ -64,82 +51,135 @@ pub fn baseline_direct_io(
     io_size: usize,
     queue_depth: usize,
 ) -> std::io::Result<f64> {
-    static SEQ: AtomicUsize = AtomicUsize::new(0);
-    let io_size = align_up(io_size.max(1));
-    let qd = queue_depth.max(1);
-    let ios_per_thread = (total_bytes / io_size / qd).max(1);
-    let share = ios_per_thread * io_size;
-    let file_len = share * qd;
+    BaselineFile::create(dir, total_bytes, io_size, queue_depth)?.measure(op)
+}
 
-    let path = dir.join(format!(
-        ".ucm-baseline-{}-{}.dat",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    ));
-    let file = open_direct(&path)?;
-    let _scratch = Scratch(path);
+/// A scratch file for repeated baseline measurements.
+///
+/// `io_size` is rounded up to 4 KiB. `queue_depth` threads (at least one)
+/// each move their contiguous share of the file, `io_size` bytes per call,
+/// with `pread`/`pwrite` (retrying short transfers). The file holds
+/// `total_bytes` rounded down to a multiple of `io_size * queue_depth` (at
+/// least one I/O per thread). It is preallocated with `fallocate` (falling
+/// back to `ftruncate` where unsupported) when created and removed on drop.
+///
+/// * `IoOp::Write` overwrites it; no fsync is timed.
+/// * `IoOp::Read` reads it; a file not yet written in full is first written
+///   (O_DIRECT, untimed, then `fdatasync`), so the reads hit allocated,
+///   written blocks; O_DIRECT keeps the page cache out of it.
+///
+/// Keeping one file across measurements keeps the file system's own work
+/// (creating, freeing and, on `-o discard` mounts, discarding 100+ MiB)
+/// out of the measurements of whatever runs next.
+pub struct BaselineFile {
+    file: Arc<File>,
+    _scratch: Scratch,
+    io_size: usize,
+    qd: usize,
+    ios_per_thread: usize,
+    file_len: usize,
+    written: bool,
+}
 
-    match op {
-        IoOp::Read => {
-            let chunk = align_up(io_size.max(4 << 20));
+impl BaselineFile {
+    /// Creates and preallocates the scratch file in `dir`.
+    pub fn create(
+        dir: &Path,
+        total_bytes: usize,
+        io_size: usize,
+        queue_depth: usize,
+    ) -> std::io::Result<Self> {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let io_size = align_up(io_size.max(1));
+        let qd = queue_depth.max(1);
+        let ios_per_thread = (total_bytes / io_size / qd).max(1);
+        let file_len = ios_per_thread * io_size * qd;
+        let path = dir.join(format!(
+            ".ucm-baseline-{}-{}.dat",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = open_direct(&path)?;
+        let scratch = Scratch(path);
+        let len = libc::off_t::try_from(file_len)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: plain syscall on a descriptor owned by `file`.
+        let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+        if r != 0 {
+            file.set_len(file_len as u64)?;
+        }
+        Ok(BaselineFile {
+            file: Arc::new(file),
+            _scratch: scratch,
+            io_size,
+            qd,
+            ios_per_thread,
+            file_len,
+            written: false,
+        })
+    }
+
+    /// One timed pass over the whole file; GB/s.
+    pub fn measure(&mut self, op: IoOp) -> std::io::Result<f64> {
+        if op == IoOp::Read && !self.written {
+            let chunk = align_up(self.io_size.max(4 << 20));
             let mut buf = AlignedBuf::new(chunk);
             fill(&mut buf, 7);
             let mut off = 0usize;
-            while off < file_len {
-                let n = chunk.min(file_len - off);
-                file.write_all_at(&buf[..n], off as u64)?;
+            while off < self.file_len {
+                let n = chunk.min(self.file_len - off);
+                self.file.write_all_at(&buf[..n], off as u64)?;
                 off += n;
             }
-            file.sync_data()?;
+            self.file.sync_data()?;
         }
-        IoOp::Write => {
-            let len = libc::off_t::try_from(file_len)
-                .map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))?;
-            use std::os::fd::AsRawFd;
-            // SAFETY: plain syscall on a descriptor owned by `file`.
-            let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
-            if r != 0 {
-                file.set_len(file_len as u64)?;
-            }
+        let secs = self.pass(op)?;
+        if op == IoOp::Write {
+            self.written = true;
         }
+        Ok(self.file_len as f64 / secs.max(1e-9) / 1e9)
     }
 
-    let file = Arc::new(file);
-    let barrier = Arc::new(Barrier::new(qd + 1));
-    let mut handles = Vec::with_capacity(qd);
-    for t in 0..qd {
-        let (file, barrier) = (Arc::clone(&file), Arc::clone(&barrier));
-        handles.push(std::thread::spawn(move || -> std::io::Result<()> {
-            let mut buf = AlignedBuf::new(io_size);
-            fill(&mut buf, t as u64 + 1);
-            let base = (t * share) as u64;
-            barrier.wait();
-            for i in 0..ios_per_thread {
-                let off = base + (i * io_size) as u64;
-                match op {
-                    IoOp::Read => file.read_exact_at(&mut buf, off)?,
-                    IoOp::Write => file.write_all_at(&buf, off)?,
+    fn pass(&self, op: IoOp) -> std::io::Result<f64> {
+        let (qd, io_size, ios) = (self.qd, self.io_size, self.ios_per_thread);
+        let share = ios * io_size;
+        let barrier = Arc::new(Barrier::new(qd + 1));
+        let mut handles = Vec::with_capacity(qd);
+        for t in 0..qd {
+            let (file, barrier) = (Arc::clone(&self.file), Arc::clone(&barrier));
+            handles.push(std::thread::spawn(move || -> std::io::Result<()> {
+                let mut buf = AlignedBuf::new(io_size);
+                fill(&mut buf, t as u64 + 1);
+                let base = (t * share) as u64;
+                barrier.wait();
+                for i in 0..ios {
+                    let off = base + (i * io_size) as u64;
+                    match op {
+                        IoOp::Read => file.read_exact_at(&mut buf, off)?,
+                        IoOp::Write => file.write_all_at(&buf, off)?,
+                    }
                 }
+                Ok(())
+            }));
+        }
+        barrier.wait();
+        let start = Instant::now();
+        let mut first_err = None;
+        for h in handles {
+            let res = h
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("baseline I/O thread panicked")));
+            if let Err(e) = res {
+                first_err.get_or_insert(e);
             }
-            Ok(())
-        }));
-    }
-    barrier.wait();
-    let start = Instant::now();
-    let mut first_err = None;
-    for h in handles {
-        let res = h
-            .join()
-            .unwrap_or_else(|_| Err(std::io::Error::other("baseline I/O thread panicked")));
-        if let Err(e) = res {
-            first_err.get_or_insert(e);
+        }
+        let secs = start.elapsed().as_secs_f64();
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(secs),
         }
     }
-    let secs = start.elapsed().as_secs_f64();
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    Ok(file_len as f64 / secs.max(1e-9) / 1e9)
 }
 
 #[cfg(test)]
@@ -156,6 +196,19 @@ mod tests {
         // Odd sizes are rounded, not rejected.
         let gbps = baseline_direct_io(dir.path(), IoOp::Read, 1000, 1000, 3).expect("baseline");
         assert!(gbps > 0.0);
+        assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 0);
+    }
+
+    #[test]
+    fn one_baseline_file_serves_repeated_measurements() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut f = BaselineFile::create(dir.path(), 4 << 20, 1 << 20, 2).expect("create");
+        for op in [IoOp::Read, IoOp::Write, IoOp::Write, IoOp::Read] {
+            let gbps = f.measure(op).expect("measure");
+            assert!(gbps > 0.0 && gbps.is_finite(), "{op:?}: {gbps}");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 1);
+        drop(f);
         assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 0);
     }
 }

@@ -28,7 +28,7 @@ pub mod psync;
 pub mod uring;
 
 pub use aligned::{align_up, AlignedBuf, BounceBuf, BouncePool, DIRECT_ALIGN};
-pub use baseline::baseline_direct_io;
+pub use baseline::{baseline_direct_io, BaselineFile};
 pub use psync::PsyncEngine;
 #[cfg(target_os = "linux")]
 pub use uring::UringEngine;
