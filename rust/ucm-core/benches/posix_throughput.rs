@@ -163,6 +163,10 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
         "{case}: loaded bytes differ"
     );
     drop(store);
+    if std::env::var_os("UCM_BENCH_VERBOSE").is_some() {
+        eprintln!("{case} dump/base pairs: {dumps:.2?}");
+        eprintln!("{case} load/base pairs: {loads:.2?}");
+    }
     let ratio = |v: &[(f64, f64)]| median(v.iter().map(|(s, b)| s / b).collect());
     ROWS.lock().unwrap().push(Row {
         case,

@@ -508,6 +508,74 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
     }
 }
 
+/// Inode numbers of every file under `root` (blocks and spares).
+fn inodes(root: &std::path::Path) -> std::collections::BTreeSet<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = std::collections::BTreeSet::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                dirs.push(e.path());
+            } else {
+                out.insert(m.ino());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
+    cfg.spare_files = 4;
+    let file_len = {
+        let s = PosixStore::open(cfg.clone()).unwrap();
+        s.layout().file_len()
+    };
+    cfg.capacity_bytes = file_len * 40;
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    let data = Buf::filled(SHARD, 5, 0);
+    let settle = |store: &PosixStore| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while store.stats().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let put = |store: &PosixStore, n: u32| {
+        let t = store
+            .dump((0..4).map(|s| data.shard(id(n), s)).collect(), 0)
+            .unwrap();
+        store.wait(t).unwrap();
+        settle(store);
+    };
+    for n in 0..60 {
+        put(&store, n);
+    }
+    let before = inodes(dir.path());
+    let recycled = store.stats().files_recycled;
+    for n in 60..100 {
+        put(&store, n);
+    }
+    let st = store.stats();
+    assert!(st.files_recycled >= recycled + 40, "{st:?}");
+    assert!(st.used_bytes <= cfg.capacity_bytes, "{st:?}");
+    let after = inodes(dir.path());
+    let created: Vec<_> = after.difference(&before).collect();
+    assert!(
+        created.is_empty(),
+        "{} file(s) created at capacity",
+        created.len()
+    );
+    let out = Buf::new(SHARD, 0);
+    let t = store.load(vec![out.shard(id(99), 1)]).unwrap();
+    store.wait(t).unwrap();
+    assert_eq!(out.slice(), data.slice());
+}
+
 #[test]
 fn a_destination_changed_during_a_load_fails_it_but_keeps_the_block() {
     use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};

@@ -60,10 +60,13 @@ fn run(shared: &Shared) {
 pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
     let cap = shared.cfg.capacity_bytes;
     let used = shared.index.used_bytes();
-    if cap == 0 || used <= cap {
+    // Room for the spares the pool misses (at most a tenth of the capacity,
+    // so the target below stays under it).
+    let limit = cap.saturating_sub(shared.spare_reserve_bytes());
+    if cap == 0 || used <= limit {
         return 0;
     }
-    let target = (cap as f64 * LOW_WATERMARK) as u64;
+    let target = (limit as f64 * LOW_WATERMARK) as u64;
     let mut evicted = 0;
     for id in shared.index.coldest(used - target) {
         if shared.index.remove_if_unpinned(&id).is_some() {

@@ -193,7 +193,7 @@ impl PosixStore {
             Some(
                 std::thread::Builder::new()
                     .name("ucm-posix-spare".into())
-                    .spawn(move || s.spares.run())
+                    .spawn(move || s.spares.run(|| !s.near_capacity()))
                     .map_err(|e| UcmError::os("spawn thread", "ucm-posix-spare", e))?,
             )
         } else {
@@ -661,6 +661,31 @@ impl Shared {
             .is_ok_and(|hdr| xxhash_rust::xxh3::xxh3_64(&buf[HEADER_LEN..]) == hdr.checksum)
     }
 
+    /// Spare files a store with a capacity keeps by recycling evicted block
+    /// files: the pool's target, at most a tenth of the capacity (0: no
+    /// capacity, or no pool).
+    fn recycled_spares(&self) -> u64 {
+        let cap = self.cfg.capacity_bytes;
+        let len = self.layout.file_len().max(1);
+        (self.spares.target() as u64).min(cap / 10 / len)
+    }
+
+    /// True when creating spare files would take the store past its
+    /// capacity: the pool is then refilled by eviction (see [`evict`]).
+    fn near_capacity(&self) -> bool {
+        let reserve = self.recycled_spares() * self.layout.file_len();
+        reserve > 0 && self.index.used_bytes() + reserve > self.cfg.capacity_bytes
+    }
+
+    /// Bytes of capacity the evictor frees ahead of need to refill the spare
+    /// pool: the spares it misses, up to [`Shared::recycled_spares`]. A
+    /// store at capacity then dumps into recycled files: it neither creates
+    /// nor deletes files.
+    fn spare_reserve_bytes(&self) -> u64 {
+        let missing = (self.spares.deficit() as u64).min(self.recycled_spares());
+        missing * self.layout.file_len()
+    }
+
     /// The writer assembling `block`, or None when the block is already
     /// published. Checked under the writers lock: a commit inserts into the
     /// index before it forgets its writer, so a shard arriving around a
@@ -677,13 +702,15 @@ impl Shared {
         if self.index.contains(block) {
             return None;
         }
-        let tmp = self
-            .spares
-            .take(self.paths.root_index(block))
-            .unwrap_or_else(|| {
-                let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-                self.paths.temp(block, seq)
-            });
+        let spare = self.spares.take(self.paths.root_index(block));
+        if self.spare_reserve_bytes() > 0 {
+            // At capacity the pool is refilled by evicting ahead of need.
+            evict::wake(self);
+        }
+        let tmp = spare.unwrap_or_else(|| {
+            let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+            self.paths.temp(block, seq)
+        });
         let w = Arc::new(BlockWriter::new(*block, tmp, self.layout.shard_count));
         writers.insert(*block, w.clone());
         Some(w)

@@ -156,8 +156,23 @@ impl SparePool {
         self.roots.iter().map(|r| r.files.lock().len()).sum()
     }
 
-    /// The filler loop; returns when [`SparePool::stop`] is called.
-    pub fn run(&self) {
+    /// Spares missing from the filler's target, all roots together.
+    pub fn deficit(&self) -> usize {
+        self.roots
+            .iter()
+            .map(|r| self.target.saturating_sub(r.files.lock().len()))
+            .sum()
+    }
+
+    /// The pool's target per root (0: disabled).
+    pub fn target(&self) -> usize {
+        self.target
+    }
+
+    /// The filler loop; returns when [`SparePool::stop`] is called. It
+    /// creates a spare only while `may_create()` holds (a store at capacity
+    /// refills the pool by recycling evicted files instead).
+    pub fn run(&self, may_create: impl Fn() -> bool) {
         if !self.enabled() {
             return;
         }
@@ -170,7 +185,7 @@ impl SparePool {
             let mut made = false;
             for r in &self.roots {
                 let ready = r.files.lock().len();
-                if ready < self.target {
+                if ready < self.target && may_create() {
                     if let Some(p) = self.create(&r.dir, ready) {
                         r.files.lock().push_back(p);
                         made = true;
@@ -280,7 +295,7 @@ mod tests {
         ));
         let filler = {
             let p = pool.clone();
-            std::thread::spawn(move || p.run())
+            std::thread::spawn(move || p.run(|| true))
         };
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while pool.ready() < 3 && std::time::Instant::now() < deadline {
