@@ -561,7 +561,8 @@ fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
         put(&store, n);
     }
     let st = store.stats();
-    assert!(st.files_recycled >= recycled + 40, "{st:?}");
+    // About one eviction per dump (give or take a batch of look-ahead).
+    assert!(st.files_recycled >= recycled + 30, "{st:?}");
     assert!(st.used_bytes <= cfg.capacity_bytes, "{st:?}");
     let after = inodes(dir.path());
     let created: Vec<_> = after.difference(&before).collect();
