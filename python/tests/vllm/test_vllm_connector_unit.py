@@ -206,6 +206,17 @@ def test_full_hit_leaves_one_token_and_local_hits_are_skipped(tmp_path: Path) ->
     a.close()
 
 
+def start_full_hit_load(side: Side, toks: list[int], blocks: list[int]) -> Any:
+    """Admits a block-aligned prompt that is all in the store, binds its
+    first step and starts its loads (vLLM then runs the forward)."""
+    req = FakeRequest("r2", list(toks))
+    assert side.admit(req, blocks) == len(toks) - 1
+    meta = side.sched.build_connector_meta(sched_output(new=[("r2", len(toks) - 1, 1)]))
+    side.worker.bind(meta)
+    side.worker.start_load_kv()
+    return side.worker
+
+
 @pytest.mark.parametrize("lookahead", [0, 1])
 def test_layerwise_loads_the_block_vllm_writes_before_the_forward(
     tmp_path: Path, lookahead: int
@@ -219,12 +230,7 @@ def test_layerwise_loads_the_block_vllm_writes_before_the_forward(
     save_prompt(a, "r1", toks, [0, 1, 2, 3])
     a.close()
     b = Side(tmp_path, use_layerwise=True, layerwise_lookahead=lookahead)
-    req = FakeRequest("r2", list(toks))
-    assert b.admit(req, [10, 11, 12, 13]) == 4 * BS - 1
-    meta = b.sched.build_connector_meta(sched_output(new=[("r2", 4 * BS - 1, 1)]))
-    w = b.worker
-    w.bind(meta)
-    w.start_load_kv()
+    w = start_full_hit_load(b, toks, [10, 11, 12, 13])
     assert torch.equal(b.kv[:, 13], a.kv[:, 3])  # before any layer wait
     written = torch.full((H, C), 7.0)
     for i in range(L):
@@ -269,12 +275,7 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path, lookahead: in
     path.write_bytes(bytes(raw))
 
     b = Side(tmp_path, use_layerwise=True, layerwise_lookahead=lookahead)
-    req = FakeRequest("r2", list(toks))
-    assert b.admit(req, [10, 11, 12, 13]) == 4 * BS - 1
-    meta = b.sched.build_connector_meta(sched_output(new=[("r2", 4 * BS - 1, 1)]))
-    w = b.worker
-    w.bind(meta)
-    w.start_load_kv()
+    w = start_full_hit_load(b, toks, [10, 11, 12, 13])
     for i in range(L):
         w.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
     w.wait_for_save()

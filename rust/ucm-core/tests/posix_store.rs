@@ -412,15 +412,17 @@ fn missing_block_load_fails_with_not_found() {
     assert_eq!(store.wait(t).unwrap_err().code(), -50005);
 }
 
+/// `cfg` with a capacity of `files` block files; also returns a file's length.
+fn with_capacity(mut cfg: PosixConfig, files: u64) -> (PosixConfig, u64) {
+    let file_len = PosixStore::open(cfg.clone()).unwrap().layout().file_len();
+    cfg.capacity_bytes = file_len * files;
+    (cfg, file_len)
+}
+
 #[test]
 fn capacity_evicts_least_recently_used_and_restart_restores_state() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
-    let file_len = {
-        let s = PosixStore::open(cfg.clone()).unwrap();
-        s.layout().file_len()
-    };
-    cfg.capacity_bytes = file_len * 10;
+    let (cfg, file_len) = with_capacity(config(dir.path(), IoEngineKind::Psync, false), 10);
     let store = PosixStore::open(cfg.clone()).unwrap();
     let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
     let put = |store: &PosixStore, n: u32| {
@@ -466,11 +468,7 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), IoEngineKind::Psync, true);
     cfg.spare_files = 2;
-    let file_len = {
-        let s = PosixStore::open(cfg.clone()).unwrap();
-        s.layout().file_len()
-    };
-    cfg.capacity_bytes = file_len * 6;
+    let (cfg, _) = with_capacity(cfg, 6);
     let store = PosixStore::open(cfg.clone()).unwrap();
     // Every block has its own bytes, so a recycled file still holding its
     // old block's data would fail the comparison below.
@@ -531,16 +529,20 @@ fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
     cfg.spare_files = 4;
-    let file_len = {
-        let s = PosixStore::open(cfg.clone()).unwrap();
-        s.layout().file_len()
-    };
-    cfg.capacity_bytes = file_len * 40;
+    let (cfg, _) = with_capacity(cfg, 40);
     let store = PosixStore::open(cfg.clone()).unwrap();
     let data = Buf::filled(SHARD, 5, 0);
     let settle = |store: &PosixStore| {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while store.stats().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline
+        // Evictions keep up with the dumps: within the capacity, and the
+        // spare pool (4 files) refilled by recycling.
+        let spares = || {
+            std::fs::read_dir(dir.path().join(".spare"))
+                .unwrap()
+                .count()
+        };
+        while (store.stats().used_bytes > cfg.capacity_bytes || spares() < 4)
+            && std::time::Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(2));
         }

@@ -677,13 +677,16 @@ impl Shared {
         reserve > 0 && self.index.used_bytes() + reserve > self.cfg.capacity_bytes
     }
 
-    /// Bytes of capacity the evictor frees ahead of need to refill the spare
-    /// pool: the spares it misses, up to [`Shared::recycled_spares`]. A
-    /// store at capacity then dumps into recycled files: it neither creates
-    /// nor deletes files.
+    /// Bytes of capacity the evictor keeps free while the spare pool misses
+    /// files: [`Shared::recycled_spares`] files, the same margin at which
+    /// the filler stops creating ([`Shared::near_capacity`]), so one of the
+    /// two always refills the pool. A store at capacity then dumps into
+    /// recycled files: it neither creates nor deletes files.
     fn spare_reserve_bytes(&self) -> u64 {
-        let missing = (self.spares.deficit() as u64).min(self.recycled_spares());
-        missing * self.layout.file_len()
+        if self.spares.deficit() == 0 {
+            return 0;
+        }
+        self.recycled_spares() * self.layout.file_len()
     }
 
     /// The writer assembling `block`, or None when the block is already
