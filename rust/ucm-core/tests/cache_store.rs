@@ -585,6 +585,42 @@ fn restart_after_flush_finds_everything_in_posix() {
     }
 }
 
+/// A dump that finds slots for only some shards of a block writes the rest
+/// through to the backend, where the block stays unpublished until the
+/// cached shards are written back. A load of that block right after the
+/// dump must still succeed: it waits for the block's write-back instead of
+/// asking the backend for a block that is only half there.
+#[test]
+fn a_block_split_between_cache_and_backend_loads_right_after_its_dump() {
+    for policy in [WriteBackPolicy::Async, WriteBackPolicy::Lazy] {
+        let dir = tempfile::tempdir().unwrap();
+        let posix = PosixStore::open(PosixConfig {
+            storage_backends: vec![dir.path().to_path_buf()],
+            block_size: SHARD * SHARDS,
+            shard_size: SHARD,
+            tensor_size_list: vec![SHARD / 2, SHARD / 2],
+            timeout_ms: 10_000,
+            ..Default::default()
+        })
+        .unwrap();
+        let cache = CacheStore::open(
+            CacheConfig {
+                write_back_interval_ms: 60_000,
+                write_back_policy: policy,
+                ..cfg(SHARDS + 2)
+            },
+            Arc::new(posix),
+        )
+        .unwrap();
+        dump(&cache, 0).unwrap(); // four dirty slots, never evicted
+        dump(&cache, 1).unwrap(); // two staged, two written through
+        assert_eq!(cache.stats()["bypass_dumps"], 2.0, "{policy:?}");
+        load(&cache, 1).unwrap_or_else(|e| panic!("{policy:?}: {e}"));
+        load(&cache, 0).unwrap();
+        cache.close().unwrap();
+    }
+}
+
 // ------------------------------------------------------------ shared mode
 
 fn shm_cfg(uid: &str) -> CacheConfig {

@@ -86,6 +86,11 @@ impl Task {
         self.kind
     }
 
+    /// When the task times out, if it has a timeout.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
     fn past_deadline(&self) -> bool {
         self.deadline.is_some_and(|d| Instant::now() >= d)
     }

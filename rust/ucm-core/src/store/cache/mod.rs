@@ -23,8 +23,11 @@
 //! backend in one `load` aimed at the slots, then are copied out. When
 //! `fill_policy` says not to keep load misses, or no slot can be taken
 //! (every slot pinned or dirty), the shard is loaded into a staging buffer
-//! instead (**bypass**). Lookups answer from the cache first and ask the
-//! backend only about the rest.
+//! instead (**bypass**). A miss of a block that still has dirty shards here
+//! first has that block written back (read-your-writes: a dump that found
+//! slots for only part of a block wrote the rest through, and the backend
+//! publishes the block only once the cached part arrives). Lookups answer
+//! from the cache first and ask the backend only about the rest.
 //!
 //! # Write path
 //!
@@ -456,12 +459,21 @@ impl Inner {
                     segs: vec![self.slot_seg(*slot)],
                 })
                 .collect();
-            let submitted = self.backend.load(shards);
+            let unwritten = self.wb.dirty_among(fills.iter().map(|(s, _)| &s.block));
             let (me, ctx2) = (self.clone(), ctx.clone());
             let n = fills.len();
-            self.spawn_or_fail(&rt.waits, &ctx, n, move || {
-                me.finish_fill(&ctx2, submitted, fills)
-            });
+            if unwritten.is_empty() {
+                let submitted = self.backend.load(shards);
+                self.spawn_or_fail(&rt.waits, &ctx, n, move || {
+                    me.finish_fill(&ctx2, submitted, fills)
+                });
+            } else {
+                self.spawn_or_fail(&rt.waits, &ctx, n, move || {
+                    me.wb.settle(&unwritten, me.deadline(&ctx2));
+                    let submitted = me.backend.load(shards);
+                    me.finish_fill(&ctx2, submitted, fills)
+                });
+            }
         }
         if !bypass.is_empty() {
             add(&self.c.bypass_loads, bypass.len() as u64);
@@ -592,9 +604,20 @@ impl Inner {
         }
     }
 
+    /// When a wait for the backend on behalf of `ctx` gives up.
+    fn deadline(&self, ctx: &TaskCtx) -> Instant {
+        ctx.task
+            .deadline()
+            .unwrap_or_else(|| Instant::now() + Duration::from_millis(self.cfg.timeout_ms.max(1)))
+    }
+
     /// Loads shards through staging buffers, straight from the backend.
     fn bypass_load(&self, ctx: &TaskCtx, items: Vec<ShardIo>) {
         let n = items.len();
+        let unwritten = self.wb.dirty_among(items.iter().map(|s| &s.block));
+        if !unwritten.is_empty() {
+            self.wb.settle(&unwritten, self.deadline(ctx));
+        }
         let bufs: Result<Vec<AlignedBuf>> = (0..n).map(|_| staging(self.cfg.shard_size)).collect();
         let mut bufs = match bufs {
             Ok(b) => b,

@@ -139,6 +139,66 @@ impl WriteBack {
         }
     }
 
+    /// The blocks among `blocks` that have shards not yet in the backend.
+    pub fn dirty_among<'a>(&self, blocks: impl IntoIterator<Item = &'a BlockId>) -> Vec<BlockId> {
+        let st = self.state.lock();
+        if st.dirty.is_empty() {
+            return Vec::new();
+        }
+        let mut out: Vec<BlockId> = blocks
+            .into_iter()
+            .filter(|b| st.dirty.contains_key(b))
+            .copied()
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Read-your-writes for a load that must read `blocks` from the
+    /// backend although some of their shards are still dirty here. A dump
+    /// that found slots for only part of a block wrote the rest through, so
+    /// the backend holds the block unpublished until the cached part is
+    /// written back. Makes those entries due at once and waits until each is
+    /// written, or fails once more (an entry already failing counts at
+    /// once: the backend's own answer is what the load gets), or
+    /// `deadline` passes.
+    pub fn settle(&self, blocks: &[BlockId], deadline: Instant) {
+        let mut st = self.state.lock();
+        let start: Vec<Option<u32>> = blocks
+            .iter()
+            .map(|b| {
+                st.dirty
+                    .get(b)
+                    .filter(|e| e.last_error.is_none())
+                    .map(|e| e.attempts)
+            })
+            .collect();
+        loop {
+            let mut pending = false;
+            let mut wake = false;
+            for (b, first) in blocks.iter().zip(&start) {
+                let Some(first) = first else { continue };
+                if let Some(e) = st.dirty.get_mut(b) {
+                    if e.attempts == *first {
+                        pending = true;
+                        wake |= !e.wanted;
+                        e.wanted = true;
+                    }
+                }
+            }
+            if !pending || st.stop {
+                return;
+            }
+            if wake {
+                self.wake.notify_all();
+            }
+            if self.progress.wait_until(&mut st, deadline).timed_out() {
+                return;
+            }
+        }
+    }
+
     /// Number of dirty blocks.
     pub fn dirty_blocks(&self) -> usize {
         self.state.lock().dirty.len()
@@ -165,5 +225,45 @@ mod tests {
         wb.add(&[(b, 2, 9)], false);
         assert_eq!(wb.dirty_blocks(), 1);
         assert_eq!(wb.state.lock().dirty[&b].shards.len(), 3);
+    }
+
+    #[test]
+    fn settle_marks_dirty_blocks_wanted_and_returns_when_they_are_written() {
+        let wb = std::sync::Arc::new(WriteBack::default());
+        let (a, b, clean) = (BlockId([1; 16]), BlockId([2; 16]), BlockId([3; 16]));
+        wb.add(&[(a, 0, 1), (b, 0, 2)], false);
+        assert_eq!(wb.dirty_among([&clean, &b, &a, &b]), vec![a, b]);
+        let writer = {
+            let wb = wb.clone();
+            std::thread::spawn(move || loop {
+                let mut st = wb.state.lock();
+                if st.dirty.values().all(|e| e.wanted) {
+                    st.dirty.clear();
+                    drop(st);
+                    wb.progress.notify_all();
+                    return;
+                }
+                wb.wake.wait_for(&mut st, Duration::from_millis(5));
+            })
+        };
+        let t0 = Instant::now();
+        wb.settle(&[a, b, clean], t0 + Duration::from_secs(20));
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        assert_eq!(wb.dirty_blocks(), 0);
+        writer.join().unwrap();
+    }
+
+    #[test]
+    fn settle_does_not_wait_for_a_failing_block_or_past_its_deadline() {
+        let wb = WriteBack::default();
+        let (a, b) = (BlockId([1; 16]), BlockId([2; 16]));
+        let err = UcmError::NoSpace("full".into());
+        wb.add_failed(&[(a, 0, 1)], &err, Duration::from_secs(60));
+        let t0 = Instant::now();
+        wb.settle(&[a], t0 + Duration::from_secs(20));
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        wb.add(&[(b, 0, 2)], false);
+        wb.settle(&[b], Instant::now() + Duration::from_millis(30));
+        assert!(wb.state.lock().dirty[&b].wanted);
     }
 }

@@ -331,7 +331,8 @@ impl Shared {
             self.index.insert(*id, self.layout.file_len(), None);
             return true;
         }
-        false
+        // Fully written, being committed by another thread right now?
+        self.commit_settled(id) && self.index.touch(id)
     }
 
     /// Counts a request in flight, first waiting while the store already
@@ -719,6 +720,13 @@ impl Shared {
         Some(w)
     }
 
+    /// True when `block` had all its shards written and its commit, in
+    /// progress on another thread, has now finished.
+    fn commit_settled(&self, block: &BlockId) -> bool {
+        let writer = self.writers.lock().get(block).cloned();
+        writer.is_some_and(|w| w.all_written() && w.wait_settled(COMMIT_WAIT))
+    }
+
     /// Drops every block still being assembled (at close: their missing
     /// shards can no longer arrive) and removes their temporary files.
     fn abandon_writers(&self) {
@@ -880,9 +888,11 @@ impl Shared {
         if done.complete {
             outcome = self.commit(writer);
             self.forget_writer(writer);
+            writer.settle();
         } else if done.failed_now {
             self.forget_writer(writer);
             let _ = std::fs::remove_file(&writer.tmp);
+            writer.settle();
         } else if outcome.is_ok() {
             if let Some(e) = writer.failure() {
                 outcome = Err(e);
@@ -911,6 +921,10 @@ impl Shared {
         Ok(())
     }
 }
+
+/// Longest a load waits for a commit in progress (a rename and an index
+/// insert; the bound only matters if the committing thread is starved).
+const COMMIT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Most shards one coalesced read covers: a run needs up to three iovecs
 /// per shard plus the tensors, well under IOV_MAX (1024).

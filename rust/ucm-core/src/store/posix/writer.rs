@@ -11,9 +11,9 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::block::BlockId;
 use crate::error::{Result, UcmError};
@@ -31,6 +31,8 @@ struct State {
     in_flight: usize,
     failed: Option<UcmError>,
     last_activity: Instant,
+    /// The commit (or the discard) after the last write has finished.
+    settled: bool,
 }
 
 /// One block being assembled in a temporary file.
@@ -40,6 +42,7 @@ pub struct BlockWriter {
     /// Its temporary file.
     pub tmp: PathBuf,
     state: Mutex<State>,
+    settled_cv: Condvar,
 }
 
 /// What a task should do with its shard.
@@ -76,7 +79,9 @@ impl BlockWriter {
                 in_flight: 0,
                 failed: None,
                 last_activity: Instant::now(),
+                settled: false,
             }),
+            settled_cv: Condvar::new(),
         }
     }
 
@@ -139,6 +144,35 @@ impl BlockWriter {
         }
     }
 
+    /// Every shard is written and none failed: the block is being
+    /// committed (or was just committed).
+    pub fn all_written(&self) -> bool {
+        let st = self.state.lock();
+        st.failed.is_none() && st.done == st.slots.len()
+    }
+
+    /// Records that the block was committed or discarded, waking loads
+    /// waiting in [`BlockWriter::wait_settled`].
+    pub fn settle(&self) {
+        self.state.lock().settled = true;
+        self.settled_cv.notify_all();
+    }
+
+    /// Waits up to `limit` for [`BlockWriter::settle`]. A task whose shards
+    /// were written before the last one completes before the commit; a load
+    /// by its caller right after must find the block, not miss it for the
+    /// microseconds the committing thread takes to rename.
+    pub fn wait_settled(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut st = self.state.lock();
+        while !st.settled {
+            if self.settled_cv.wait_until(&mut st, deadline).timed_out() {
+                return st.settled;
+            }
+        }
+        true
+    }
+
     /// The error that failed the block, if any.
     pub fn failure(&self) -> Option<UcmError> {
         self.state.lock().failed.clone()
@@ -181,6 +215,18 @@ mod tests {
         assert!(!w.finish(0, &Ok(())).complete);
         assert!(matches!(w.claim(0, &t), Claim::AlreadyDone));
         assert!(w.finish(1, &Ok(())).complete);
+        assert!(w.all_written());
+        assert!(!w.wait_settled(Duration::from_millis(1)));
+        let w = Arc::new(w);
+        let committer = {
+            let w = w.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                w.settle();
+            })
+        };
+        assert!(w.wait_settled(Duration::from_secs(20)));
+        committer.join().unwrap();
     }
 
     #[test]
