@@ -16,7 +16,7 @@ pub(super) struct Signal {
 /// How often the thread looks at the store even when nobody woke it.
 const PERIOD: Duration = Duration::from_secs(5);
 /// Evict down to this share of the capacity, so eviction runs in batches.
-const LOW_WATERMARK: f64 = 0.9;
+pub(super) const LOW_WATERMARK: f64 = 0.9;
 
 pub(super) fn spawn(shared: Arc<Shared>) -> crate::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
@@ -69,30 +69,54 @@ pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
     let target = (limit as f64 * LOW_WATERMARK) as u64;
     let mut evicted = 0;
     for id in shared.index.coldest(used - target) {
-        if shared.index.remove_if_unpinned(&id).is_some() {
-            // Counted with each removal, so stats never show a block gone
-            // from the index but not yet counted as evicted.
-            shared
-                .counters
-                .evictions
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let path = shared.paths.block(&id);
-            if shared.spares.recycle(shared.paths.root_index(&id), &path) {
-                shared
-                    .counters
-                    .files_recycled
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            } else {
-                let _ = std::fs::remove_file(path);
-            }
-            evicted += 1;
-        }
+        evicted += usize::from(evict_one(shared, &id));
     }
     log::debug!(
         "evicted {evicted} block(s); {} byte(s) in use",
         shared.index.used_bytes()
     );
     evicted
+}
+
+/// Evicts up to `count` of the least recently used unpinned blocks stored
+/// under root `root`, recycling their files into the spare pool (see
+/// [`Shared::spare_for_new_block`]). Returns the number evicted.
+pub(super) fn recycle_coldest(shared: &Shared, root: usize, count: usize) -> usize {
+    let len = shared.layout.file_len().max(1);
+    let mut evicted = 0;
+    let candidates = shared.index.coldest((count as u64 * 2).saturating_mul(len));
+    for id in candidates {
+        if evicted == count {
+            break;
+        }
+        if shared.paths.root_index(&id) == root {
+            evicted += usize::from(evict_one(shared, &id));
+        }
+    }
+    evicted
+}
+
+/// Removes `id` unless a load pinned it, and recycles or deletes its file.
+fn evict_one(shared: &Shared, id: &super::BlockId) -> bool {
+    if shared.index.remove_if_unpinned(id).is_none() {
+        return false;
+    }
+    // Counted with each removal, so stats never show a block gone from the
+    // index but not yet counted as evicted.
+    shared
+        .counters
+        .evictions
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = shared.paths.block(id);
+    if shared.spares.recycle(shared.paths.root_index(id), &path) {
+        shared
+            .counters
+            .files_recycled
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    } else {
+        let _ = std::fs::remove_file(path);
+    }
+    true
 }
 
 /// A block whose shards stopped arriving (a layer-wise dump cut short)

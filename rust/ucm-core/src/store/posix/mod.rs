@@ -26,6 +26,7 @@ mod writer;
 
 pub use config::{validate_geometry, PosixConfig, MAX_SHARDS};
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -93,13 +94,20 @@ struct Shared {
     max_inflight: usize,
     evict_signal: (Mutex<evict::Signal>, Condvar),
     spares: SparePool,
+    /// Held while a dump refills the spare pool by evicting.
+    refill_lock: Mutex<()>,
+    /// Commits for the committer thread; `None` stops it.
+    commits: crossbeam_channel::Sender<Option<CommitJob>>,
 }
+
+type CommitJob = Box<dyn FnOnce() + Send + 'static>;
 
 struct Runtime {
     engine: Arc<dyn IoEngine>,
     workers: WorkerPool,
     evictor: Option<JoinHandle<()>>,
     spare_filler: Option<JoinHandle<()>>,
+    committer: Option<JoinHandle<()>>,
 }
 
 /// One file per block under one or more directories.
@@ -159,6 +167,7 @@ impl PosixStore {
             queue_depth: (cfg.io_threads * 16).clamp(32, 1024) as u32,
             ..IoEngineConfig::default()
         })?;
+        let (commits, commit_rx) = crossbeam_channel::unbounded::<Option<CommitJob>>();
         let shared = Arc::new(Shared {
             opener: Opener::new(cfg.io_direct),
             layout,
@@ -184,8 +193,18 @@ impl PosixStore {
                 owner,
                 file_len,
             ),
+            refill_lock: Mutex::new(()),
+            commits,
             cfg,
         });
+        let committer = std::thread::Builder::new()
+            .name("ucm-posix-commit".into())
+            .spawn(move || {
+                while let Ok(Some(job)) = commit_rx.recv() {
+                    job();
+                }
+            })
+            .map_err(|e| UcmError::os("spawn thread", "ucm-posix-commit", e))?;
         let workers = WorkerPool::new("ucm-posix", shared.cfg.io_threads)?;
         let evictor = evict::spawn(shared.clone())?;
         let spare_filler = if shared.spares.enabled() {
@@ -206,6 +225,7 @@ impl PosixStore {
                 workers,
                 evictor: Some(evictor),
                 spare_filler,
+                committer: Some(committer),
             })),
             closed: AtomicBool::new(false),
         })
@@ -346,6 +366,13 @@ impl Shared {
             self.inflight_cv.wait(&mut n);
         }
         *n += 1;
+    }
+
+    /// Runs `job` on the committer thread, or here once it has stopped.
+    fn defer(&self, job: CommitJob) {
+        if let Err(crossbeam_channel::SendError(Some(job))) = self.commits.send(Some(job)) {
+            job();
+        }
     }
 
     fn end_io(&self) {
@@ -671,11 +698,17 @@ impl Shared {
         (self.spares.target() as u64).min(cap / 10 / len)
     }
 
-    /// True when creating spare files would take the store past its
-    /// capacity: the pool is then refilled by eviction (see [`evict`]).
+    /// True when the filler must not create spare files: the store has
+    /// reached its capacity once (it evicted), or creating would take it
+    /// there. From then on the pool is refilled by eviction only (see
+    /// [`evict`] and [`Shared::spare_for_new_block`]), so a store at
+    /// capacity keeps a fixed set of files: a create after the evictor's
+    /// batch freed room would only make a later eviction delete a file.
     fn near_capacity(&self) -> bool {
         let reserve = self.recycled_spares() * self.layout.file_len();
-        reserve > 0 && self.index.used_bytes() + reserve > self.cfg.capacity_bytes
+        reserve > 0
+            && (self.counters.evictions.load(Ordering::Relaxed) > 0
+                || self.index.used_bytes() + reserve > self.cfg.capacity_bytes)
     }
 
     /// Bytes of capacity the evictor keeps free while the spare pool misses
@@ -697,16 +730,32 @@ impl Shared {
     /// never starts a second writer that would wait forever for shards
     /// already written.
     fn writer_for(&self, block: &BlockId) -> Option<Arc<BlockWriter>> {
-        let mut writers = self.writers.lock();
-        if let Some(w) = writers.get(block) {
-            if w.failure().is_none() {
-                return Some(w.clone());
+        let assembling = {
+            let writers = self.writers.lock();
+            if let Some(w) = writers.get(block) {
+                if w.failure().is_none() {
+                    return Some(w.clone());
+                }
             }
+            if self.index.contains(block) {
+                return None;
+            }
+            writers.len()
+        };
+        // Outside the lock: finding a file may evict (rename) a batch.
+        let root = self.paths.root_index(block);
+        let spare = self.spare_for_new_block(root, assembling);
+        let mut writers = self.writers.lock();
+        let existing = writers
+            .get(block)
+            .filter(|w| w.failure().is_none())
+            .cloned();
+        if existing.is_some() || self.index.contains(block) {
+            if let Some(f) = spare {
+                self.spares.put_back(root, f);
+            }
+            return existing;
         }
-        if self.index.contains(block) {
-            return None;
-        }
-        let spare = self.spares.take(self.paths.root_index(block));
         if self.spare_reserve_bytes() > 0 {
             // At capacity the pool is refilled by evicting ahead of need.
             evict::wake(self);
@@ -718,6 +767,39 @@ impl Shared {
         let w = Arc::new(BlockWriter::new(*block, tmp, self.layout.shard_count));
         writers.insert(*block, w.clone());
         Some(w)
+    }
+
+    /// A spare file for a new block under root `root`, with `assembling`
+    /// other blocks being written. When the pool is empty and the new
+    /// block would take the store past its capacity, evicts a batch
+    /// of cold blocks into the pool now (one rename each) instead of
+    /// creating a file, which on ext4 costs more than writing a 1 MiB
+    /// shard, only for the evictor to delete another one right after. A
+    /// burst of dumps into a store at capacity thus never creates or
+    /// deletes files, whatever the pool's size. None: create a file.
+    fn spare_for_new_block(&self, root: usize, assembling: usize) -> Option<PathBuf> {
+        if let Some(f) = self.spares.take(root) {
+            return Some(f);
+        }
+        let cap = self.cfg.capacity_bytes;
+        if cap == 0 || !self.spares.enabled() {
+            return None;
+        }
+        let len = self.layout.file_len().max(1);
+        let after = self.index.used_bytes() + (assembling as u64 + 1) * len;
+        if after <= cap {
+            return None;
+        }
+        // One refill at a time; the others then find its files.
+        let _refilling = self.refill_lock.lock();
+        if let Some(f) = self.spares.take(root) {
+            return Some(f);
+        }
+        // Down to the evictor's low watermark, in one batch.
+        let band = (cap as f64 * evict::LOW_WATERMARK) as u64;
+        let want = (after.saturating_sub(band) / len).clamp(1, self.spares.target() as u64);
+        evict::recycle_coldest(self, root, want as usize);
+        self.spares.take(root)
     }
 
     /// True when `block` had all its shards written and its commit, in
@@ -868,8 +950,19 @@ impl Shared {
                         .fetch_add(1, Ordering::Relaxed);
                 }
                 let done = writer.finish(index, &result);
-                shared.after_write(&writer, done, result, &task);
-                shared.end_io();
+                if done.complete {
+                    // The rename goes to the committer thread: an I/O
+                    // thread (io_uring has one) that renamed would leave
+                    // the queue without new writes meanwhile.
+                    let s = shared.clone();
+                    shared.defer(Box::new(move || {
+                        s.after_write(&writer, done, result, &task);
+                        s.end_io();
+                    }));
+                } else {
+                    shared.after_write(&writer, done, result, &task);
+                    shared.end_io();
+                }
             }),
         );
         Ok(())
@@ -1047,6 +1140,11 @@ impl Store for PosixStore {
             while *n > 0 {
                 self.shared.inflight_cv.wait(&mut n);
             }
+        }
+        // Every commit was queued before its request counted as done.
+        let _ = self.shared.commits.send(None);
+        if let Some(h) = rt.committer.take() {
+            let _ = h.join();
         }
         evict::stop(&self.shared);
         if let Some(h) = rt.evictor.take() {

@@ -150,6 +150,17 @@ impl SparePool {
         true
     }
 
+    /// Returns a spare taken with [`SparePool::take`] but not used (the
+    /// block it was for turned out to be written by someone else).
+    pub fn put_back(&self, root: usize, file: PathBuf) {
+        match self.roots.get(root) {
+            Some(r) => r.files.lock().push_front(file),
+            None => {
+                let _ = std::fs::remove_file(file);
+            }
+        }
+    }
+
     /// Number of spares ready (all roots).
     #[cfg(test)]
     pub fn ready(&self) -> usize {
