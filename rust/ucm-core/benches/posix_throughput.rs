@@ -3,8 +3,9 @@
 //! For each I/O engine, O_DIRECT on and off, and shard sizes 64 KiB .. 4 MiB
 //! (plus the layer-wise shape: 1 MiB shards made of 32 tensors of 32 KiB),
 //! measures the store's dump and load GB/s and, on the same directory in the
-//! same run, plain sequential O_DIRECT pwrite/pread of the same number of
-//! bytes in the same I/O size at the same queue depth (`io_threads`). Prints
+//! same run, plain sequential O_DIRECT pwrite/pread of the same bytes (from
+//! and into the same memory the store moves) in the same I/O size at the
+//! same queue depth (`io_threads`). Prints
 //! the ratio store/baseline at the end: the median over pairs of one store
 //! run followed by one baseline run, so slow drifts of a shared machine
 //! affect both sides of each pair alike.
@@ -109,7 +110,7 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
     for (i, x) in src.as_mut_slice().iter_mut().enumerate() {
         *x = (i * 131 + 7) as u8;
     }
-    let dst = AlignedBuf::new(TOTAL);
+    let mut dst = AlignedBuf::new(TOTAL);
     let mut round = 1u64;
     let mut dumps = Vec::new();
     let mut loads = Vec::new();
@@ -131,7 +132,7 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
                 total += d;
                 // A baseline run right after each store run: the pairs see
                 // the same machine state, so their ratio is robust to drift.
-                let base = base(&baseline, IoOp::Write);
+                let base = base(&baseline, IoOp::Write, &mut src);
                 dumps.push((gbps(TOTAL, d), base));
             }
             total
@@ -150,13 +151,17 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
                 store.wait(t).unwrap();
                 let d = t0.elapsed();
                 total += d;
-                let base = base(&baseline, IoOp::Read);
+                let base = base(&baseline, IoOp::Read, &mut dst);
                 loads.push((gbps(TOTAL, d), base));
             }
             total
         })
     });
     g.finish();
+    // The baseline's reads went into `dst` too: check a store load alone.
+    dst.as_mut_slice().fill(0);
+    let t = store.load(shards(&dst, shard, tensors, round)).unwrap();
+    store.wait(t).unwrap();
     assert_eq!(
         src.as_slice(),
         dst.as_slice(),
@@ -179,8 +184,8 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
     });
 }
 
-fn base(file: &Mutex<BaselineFile>, op: IoOp) -> f64 {
-    file.lock().unwrap().measure(op).unwrap()
+fn base(file: &Mutex<BaselineFile>, op: IoOp, mem: &mut AlignedBuf) -> f64 {
+    file.lock().unwrap().measure_mem(op, mem).unwrap()
 }
 
 fn benches(c: &mut Criterion) {

@@ -141,6 +141,74 @@ impl BaselineFile {
         Ok(self.file_len as f64 / secs.max(1e-9) / 1e9)
     }
 
+    /// Like [`BaselineFile::measure`], but moving the bytes of `mem` (read
+    /// into it, or written from it): thread `t` moves the `t`-th contiguous
+    /// share of `mem` to or from the same share of the file. A store
+    /// benchmark passes the very memory the store moved, so both sides pay
+    /// the same cost of pinning the caller's pages for O_DIRECT (a hot
+    /// private buffer per thread would make the baseline cheaper than any
+    /// real transfer of 100+ MiB of cold memory). `mem` must be 4 KiB
+    /// aligned and at least as long as the file.
+    pub fn measure_mem(&mut self, op: IoOp, mem: &mut [u8]) -> std::io::Result<f64> {
+        if mem.len() < self.file_len || (mem.as_ptr() as usize) % super::DIRECT_ALIGN != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "baseline memory must be {}-byte aligned and hold {} bytes",
+                    super::DIRECT_ALIGN,
+                    self.file_len
+                ),
+            ));
+        }
+        if op == IoOp::Read && !self.written {
+            self.measure(IoOp::Write)?;
+        }
+        let (io_size, ios) = (self.io_size, self.ios_per_thread);
+        let share = ios * io_size;
+        let barrier = Barrier::new(self.qd + 1);
+        let file = &self.file;
+        let secs = std::thread::scope(|scope| -> std::io::Result<f64> {
+            let handles: Vec<_> = mem[..self.file_len]
+                .chunks_mut(share)
+                .enumerate()
+                .map(|(t, chunk)| {
+                    let barrier = &barrier;
+                    scope.spawn(move || -> std::io::Result<()> {
+                        let base = (t * share) as u64;
+                        barrier.wait();
+                        for (i, io) in chunk.chunks_mut(io_size).enumerate() {
+                            let off = base + (i * io_size) as u64;
+                            match op {
+                                IoOp::Read => file.read_exact_at(io, off)?,
+                                IoOp::Write => file.write_all_at(io, off)?,
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            barrier.wait();
+            let start = Instant::now();
+            let mut first_err = None;
+            for h in handles {
+                let res = h
+                    .join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("baseline I/O thread panicked")));
+                if let Err(e) = res {
+                    first_err.get_or_insert(e);
+                }
+            }
+            match first_err {
+                Some(e) => Err(e),
+                None => Ok(start.elapsed().as_secs_f64()),
+            }
+        })?;
+        if op == IoOp::Write {
+            self.written = true;
+        }
+        Ok(self.file_len as f64 / secs.max(1e-9) / 1e9)
+    }
+
     fn pass(&self, op: IoOp) -> std::io::Result<f64> {
         let (qd, io_size, ios) = (self.qd, self.io_size, self.ios_per_thread);
         let share = ios * io_size;
@@ -208,6 +276,15 @@ mod tests {
             assert!(gbps > 0.0 && gbps.is_finite(), "{op:?}: {gbps}");
         }
         assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 1);
+        // From and into caller memory: what is written is read back.
+        let mut src = AlignedBuf::new(4 << 20);
+        fill(&mut src, 9);
+        let mut dst = AlignedBuf::new(4 << 20);
+        assert!(f.measure_mem(IoOp::Write, &mut src).expect("write") > 0.0);
+        assert!(f.measure_mem(IoOp::Read, &mut dst).expect("read") > 0.0);
+        assert!(src[..] == dst[..]);
+        let mut short = AlignedBuf::new(1 << 20);
+        assert!(f.measure_mem(IoOp::Read, &mut short).is_err());
         drop(f);
         assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 0);
     }
