@@ -550,17 +550,22 @@ fn many_threads_overlapping_ids_every_policy() {
     }
 }
 
-#[test]
-fn restart_after_flush_finds_everything_in_posix() {
-    let dir = tempfile::tempdir().unwrap();
-    let pcfg = PosixConfig {
-        storage_backends: vec![dir.path().to_path_buf()],
+/// A Posix backend with the cache tests' geometry under `dir`.
+fn posix_cfg(dir: &std::path::Path) -> PosixConfig {
+    PosixConfig {
+        storage_backends: vec![dir.to_path_buf()],
         block_size: SHARD * SHARDS,
         shard_size: SHARD,
         tensor_size_list: vec![SHARD / 2, SHARD / 2],
         timeout_ms: 10_000,
         ..Default::default()
-    };
+    }
+}
+
+#[test]
+fn restart_after_flush_finds_everything_in_posix() {
+    let dir = tempfile::tempdir().unwrap();
+    let pcfg = posix_cfg(dir.path());
     {
         let posix = Arc::new(PosixStore::open(pcfg.clone()).unwrap());
         let cache = CacheStore::open(
@@ -594,15 +599,7 @@ fn restart_after_flush_finds_everything_in_posix() {
 fn a_block_split_between_cache_and_backend_loads_right_after_its_dump() {
     for policy in [WriteBackPolicy::Async, WriteBackPolicy::Lazy] {
         let dir = tempfile::tempdir().unwrap();
-        let posix = PosixStore::open(PosixConfig {
-            storage_backends: vec![dir.path().to_path_buf()],
-            block_size: SHARD * SHARDS,
-            shard_size: SHARD,
-            tensor_size_list: vec![SHARD / 2, SHARD / 2],
-            timeout_ms: 10_000,
-            ..Default::default()
-        })
-        .unwrap();
+        let posix = PosixStore::open(posix_cfg(dir.path())).unwrap();
         let cache = CacheStore::open(
             CacheConfig {
                 write_back_interval_ms: 60_000,

@@ -134,7 +134,7 @@ impl BaselineFile {
             }
             self.file.sync_data()?;
         }
-        let secs = self.pass(op)?;
+        let secs = self.pass(op, None)?;
         if op == IoOp::Write {
             self.written = true;
         }
@@ -163,20 +163,43 @@ impl BaselineFile {
         if op == IoOp::Read && !self.written {
             self.measure(IoOp::Write)?;
         }
-        let (io_size, ios) = (self.io_size, self.ios_per_thread);
+        let secs = self.pass(op, Some(&mut mem[..self.file_len]))?;
+        if op == IoOp::Write {
+            self.written = true;
+        }
+        Ok(self.file_len as f64 / secs.max(1e-9) / 1e9)
+    }
+
+    /// One timed pass in seconds: thread `t` moves the `t`-th share of the
+    /// file, from or into the `t`-th share of `mem`, or through a private
+    /// buffer of one I/O when `mem` is None.
+    fn pass(&self, op: IoOp, mem: Option<&mut [u8]>) -> std::io::Result<f64> {
+        let (qd, io_size, ios) = (self.qd, self.io_size, self.ios_per_thread);
         let share = ios * io_size;
-        let barrier = Barrier::new(self.qd + 1);
-        let file = &self.file;
-        let secs = std::thread::scope(|scope| -> std::io::Result<f64> {
-            let handles: Vec<_> = mem[..self.file_len]
-                .chunks_mut(share)
+        let shares: Vec<Option<&mut [u8]>> = match mem {
+            Some(m) => m.chunks_mut(share).map(Some).collect(),
+            None => (0..qd).map(|_| None).collect(),
+        };
+        let barrier = Barrier::new(qd + 1);
+        let file: &File = &self.file;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = shares
+                .into_iter()
                 .enumerate()
-                .map(|(t, chunk)| {
+                .map(|(t, region)| {
                     let barrier = &barrier;
                     scope.spawn(move || -> std::io::Result<()> {
+                        let mut private =
+                            AlignedBuf::new(if region.is_some() { 0 } else { io_size });
+                        fill(&mut private, t as u64 + 1);
+                        let mut region = region;
                         let base = (t * share) as u64;
                         barrier.wait();
-                        for (i, io) in chunk.chunks_mut(io_size).enumerate() {
+                        for i in 0..ios {
+                            let io: &mut [u8] = match region.as_deref_mut() {
+                                Some(r) => &mut r[i * io_size..(i + 1) * io_size],
+                                None => &mut private,
+                            };
                             let off = base + (i * io_size) as u64;
                             match op {
                                 IoOp::Read => file.read_exact_at(io, off)?,
@@ -202,51 +225,7 @@ impl BaselineFile {
                 Some(e) => Err(e),
                 None => Ok(start.elapsed().as_secs_f64()),
             }
-        })?;
-        if op == IoOp::Write {
-            self.written = true;
-        }
-        Ok(self.file_len as f64 / secs.max(1e-9) / 1e9)
-    }
-
-    fn pass(&self, op: IoOp) -> std::io::Result<f64> {
-        let (qd, io_size, ios) = (self.qd, self.io_size, self.ios_per_thread);
-        let share = ios * io_size;
-        let barrier = Arc::new(Barrier::new(qd + 1));
-        let mut handles = Vec::with_capacity(qd);
-        for t in 0..qd {
-            let (file, barrier) = (Arc::clone(&self.file), Arc::clone(&barrier));
-            handles.push(std::thread::spawn(move || -> std::io::Result<()> {
-                let mut buf = AlignedBuf::new(io_size);
-                fill(&mut buf, t as u64 + 1);
-                let base = (t * share) as u64;
-                barrier.wait();
-                for i in 0..ios {
-                    let off = base + (i * io_size) as u64;
-                    match op {
-                        IoOp::Read => file.read_exact_at(&mut buf, off)?,
-                        IoOp::Write => file.write_all_at(&buf, off)?,
-                    }
-                }
-                Ok(())
-            }));
-        }
-        barrier.wait();
-        let start = Instant::now();
-        let mut first_err = None;
-        for h in handles {
-            let res = h
-                .join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("baseline I/O thread panicked")));
-            if let Err(e) = res {
-                first_err.get_or_insert(e);
-            }
-        }
-        let secs = start.elapsed().as_secs_f64();
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(secs),
-        }
+        })
     }
 }
 
