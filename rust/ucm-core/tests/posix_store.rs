@@ -470,6 +470,22 @@ fn capacity_evicts_least_recently_used_and_restart_restores_state() {
     assert_eq!(out.slice(), bufs[3].slice());
 }
 
+/// Shard `s` of block `n` in the recycling tests: every block has its own
+/// bytes.
+fn data(n: u32, s: usize) -> Buf {
+    Buf::filled(SHARD, n * 4 + s as u32, 0)
+}
+
+/// Loads each shard of block `n` alone and compares it with [`data`].
+fn assert_block_loads(store: &PosixStore, n: u32) {
+    for s in 0..4 {
+        let out = Buf::new(SHARD, 0);
+        let t = store.load(vec![out.shard(id(n), s)]).unwrap();
+        store.wait(t).unwrap();
+        assert_eq!(out.slice(), data(n, s).slice(), "block {n} shard {s}");
+    }
+}
+
 /// A burst of dumps larger than the spare pool, into a store at capacity:
 /// the dumps take the files of cold blocks (evicted on the spot) instead of
 /// creating files, and every block of the burst is whole.
@@ -480,7 +496,6 @@ fn a_burst_at_capacity_reuses_cold_files_instead_of_creating() {
     cfg.spare_files = 2;
     let (cfg, _) = with_capacity(cfg, 30);
     let store = PosixStore::open(cfg.clone()).unwrap();
-    let data = |n: u32, s: usize| Buf::filled(SHARD, n * 4 + s as u32, 0);
     let put_all = |ns: std::ops::Range<u32>| {
         let bufs: Vec<Vec<Buf>> = ns
             .clone()
@@ -503,12 +518,7 @@ fn a_burst_at_capacity_reuses_cold_files_instead_of_creating() {
     let created = inodes(dir.path()).difference(&before).count();
     assert_eq!(created, 0, "{created} file(s) created by the burst");
     for n in 100..120 {
-        for s in 0..4 {
-            let out = Buf::new(SHARD, 0);
-            let t = store.load(vec![out.shard(id(n), s)]).unwrap();
-            store.wait(t).unwrap();
-            assert_eq!(out.slice(), data(n, s).slice(), "block {n} shard {s}");
-        }
+        assert_block_loads(&store, n);
     }
 }
 
@@ -519,9 +529,8 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
     cfg.spare_files = 2;
     let (cfg, _) = with_capacity(cfg, 6);
     let store = PosixStore::open(cfg.clone()).unwrap();
-    // Every block has its own bytes, so a recycled file still holding its
-    // old block's data would fail the comparison below.
-    let data = |n: u32, s: usize| Buf::filled(SHARD, n * 4 + s as u32, 0);
+    // Every block has its own bytes (`data`), so a recycled file still
+    // holding its old block's data would fail the comparison below.
     for n in 0..40u32 {
         let bufs: Vec<Buf> = (0..4).map(|s| data(n, s)).collect();
         let t = store
@@ -546,12 +555,7 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
     let present = store.lookup(&(0..40).map(id).collect::<Vec<_>>()).unwrap();
     assert!(present[39] && !present[0], "{present:?}");
     for n in (0..40u32).filter(|n| present[*n as usize]) {
-        for s in 0..4 {
-            let out = Buf::new(SHARD, 0);
-            let t = store.load(vec![out.shard(id(n), s)]).unwrap();
-            store.wait(t).unwrap();
-            assert_eq!(out.slice(), data(n, s).slice(), "block {n} shard {s}");
-        }
+        assert_block_loads(&store, n);
     }
 }
 
