@@ -9,6 +9,10 @@ export PATH="$ROOT/.venv/bin:$PATH"
 
 step() { printf '\n=== %s\n' "$*" >&2; }
 
+# Disk is the resource CI machines run short of; say how much there is.
+step "disk"
+df -h "$ROOT" "${TMPDIR:-/tmp}" >&2 || true
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"

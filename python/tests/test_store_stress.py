@@ -79,8 +79,13 @@ WRITER = textwrap.dedent(
     from store_helpers import base_config
     from pathlib import Path
     from ucm.store import UcmConnectorFactory
+    # A capacity bounds the disk the writer fills before it is killed (it
+    # writes new blocks as fast as it can); it also puts evictions and
+    # recycled files in the window the kill can land in.
     store = UcmConnectorFactory.create_connector(
-        "UcmPipelineStore", base_config(Path({root!r}), io_engine={engine!r}, io_threads=4))
+        "UcmPipelineStore",
+        base_config(Path({root!r}), io_engine={engine!r}, io_threads=4,
+                    posix_capacity_gb=0.0625))
     print("ready", flush=True)
     for n in itertools.count():
         ids = [(n * 8 + k).to_bytes(16, "big") for k in range(8)]
