@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,36 +100,40 @@ def raw_read_gbps(root: Path, total: int = 1 << 30) -> float:
     return statistics.median(fn(str(root), "read", total, 1 << 20, 8) for _ in range(3))
 
 
+def _parallel_copy_gbps(total: int, copy_part: Callable[[int, int], None]) -> float:
+    """Best of 4 rounds of ``copy_part(offset, length)`` over ``total`` bytes,
+    one slice per CPU in parallel, in GB/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = os.cpu_count() or 1
+    part = total // threads
+    best = 0.0
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(4):
+            t = time.perf_counter()
+            list(ex.map(lambda i: copy_part(i * part, part), range(threads)))
+            best = max(best, part * threads / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def pagecache_read_gbps(root: Path, total: int = 512 << 20) -> float:
     """Bandwidth of reading a file that is in the page cache into fresh
     (pre-faulted) memory, one thread per CPU: the one copy a from-memory load
     cannot avoid, so ``vllm hit + KV bytes / this`` is the floor of ``ucm mem``."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
 
     path = root / ".pagecache-probe"
-    src = np.full(total, 7, np.uint8)
-    path.write_bytes(src.tobytes())
-    dst = np.ones(total, np.uint8)
-    threads = os.cpu_count() or 1
-    part = total // threads
+    path.write_bytes(np.full(total, 7, np.uint8).tobytes())
+    view = memoryview(np.ones(total, np.uint8))
     fd = os.open(path, os.O_RDONLY)
     try:
-        view = memoryview(dst)
 
-        def read(i: int) -> None:
-            off, n = i * part, 4 << 20
-            for o in range(off, off + part, n):
-                os.preadv(fd, [view[o : min(o + n, off + part)]], o)
+        def read(off: int, length: int) -> None:
+            step = 4 << 20
+            for o in range(off, off + length, step):
+                os.preadv(fd, [view[o : min(o + step, off + length)]], o)
 
-        best = 0.0
-        with ThreadPoolExecutor(threads) as ex:
-            for _ in range(4):
-                t = time.perf_counter()
-                list(ex.map(read, range(threads)))
-                best = max(best, part * threads / (time.perf_counter() - t) / 1e9)
-        return best
+        return _parallel_copy_gbps(total, read)
     finally:
         os.close(fd)
         path.unlink()
@@ -137,25 +142,15 @@ def pagecache_read_gbps(root: Path, total: int = 512 << 20) -> float:
 def memcpy_gbps(total: int = 512 << 20) -> float:
     """Bandwidth of a plain memory-to-memory copy, one thread per CPU: what
     even a load that never touches a file (the Cache tier) pays per byte."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
 
     src = np.full(total, 7, np.uint8)
     dst = np.ones(total, np.uint8)
-    threads = os.cpu_count() or 1
-    part = total // threads
 
-    def copy(i: int) -> None:
-        np.copyto(dst[i * part : (i + 1) * part], src[i * part : (i + 1) * part])
+    def copy(off: int, length: int) -> None:
+        np.copyto(dst[off : off + length], src[off : off + length])
 
-    best = 0.0
-    with ThreadPoolExecutor(threads) as ex:
-        for _ in range(4):
-            t = time.perf_counter()
-            list(ex.map(copy, range(threads)))
-            best = max(best, part * threads / (time.perf_counter() - t) / 1e9)
-    return best
+    return _parallel_copy_gbps(total, copy)
 
 
 def main(argv: list[str] | None = None) -> int:
