@@ -476,6 +476,30 @@ fn data(n: u32, s: usize) -> Buf {
     Buf::filled(SHARD, n * 4 + s as u32, 0)
 }
 
+/// Dumps blocks `ns`, shards from [`data`], in one task.
+fn dump_blocks(store: &PosixStore, ns: std::ops::Range<u32>) {
+    let bufs: Vec<Vec<Buf>> = ns
+        .clone()
+        .map(|n| (0..4).map(|s| data(n, s)).collect())
+        .collect();
+    let shards = ns
+        .zip(&bufs)
+        .flat_map(|(n, b)| (0..4).map(move |s| b[s].shard(id(n), s)))
+        .collect();
+    let t = store.dump(shards, 0).unwrap();
+    store.wait(t).unwrap();
+}
+
+/// A store with room for `files` block files and a spare pool of 2 (so at
+/// most 4 x 2 recycled files), for the recycling tests.
+fn recycling_store(dir: &std::path::Path, direct: bool, files: u64) -> (PosixConfig, PosixStore) {
+    let mut cfg = config(dir, IoEngineKind::Psync, direct);
+    cfg.spare_files = 2;
+    let (cfg, _) = with_capacity(cfg, files);
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    (cfg, store)
+}
+
 /// Loads each shard of block `n` alone and compares it with [`data`].
 fn assert_block_loads(store: &PosixStore, n: u32) {
     for s in 0..4 {
@@ -492,29 +516,13 @@ fn assert_block_loads(store: &PosixStore, n: u32) {
 #[test]
 fn a_burst_at_capacity_reuses_cold_files_instead_of_creating() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
-    cfg.spare_files = 2;
-    let (cfg, _) = with_capacity(cfg, 30);
-    let store = PosixStore::open(cfg.clone()).unwrap();
-    let put_all = |ns: std::ops::Range<u32>| {
-        let bufs: Vec<Vec<Buf>> = ns
-            .clone()
-            .map(|n| (0..4).map(|s| data(n, s)).collect())
-            .collect();
-        let shards = ns
-            .clone()
-            .zip(&bufs)
-            .flat_map(|(n, b)| (0..4).map(move |s| b[s].shard(id(n), s)))
-            .collect();
-        let t = store.dump(shards, 0).unwrap();
-        store.wait(t).unwrap();
-    };
+    let (_, store) = recycling_store(dir.path(), false, 30);
     for n in 0..40 {
-        put_all(n..n + 1);
+        dump_blocks(&store, n..n + 1);
     }
     assert!(store.stats().evictions > 0);
     let before = inodes(dir.path());
-    put_all(100..120);
+    dump_blocks(&store, 100..120);
     let created = inodes(dir.path()).difference(&before).count();
     assert_eq!(created, 0, "{created} file(s) created by the burst");
     for n in 100..120 {
@@ -525,18 +533,11 @@ fn a_burst_at_capacity_reuses_cold_files_instead_of_creating() {
 #[test]
 fn evicted_files_are_recycled_and_rewritten_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path(), IoEngineKind::Psync, true);
-    cfg.spare_files = 2;
-    let (cfg, _) = with_capacity(cfg, 6);
-    let store = PosixStore::open(cfg.clone()).unwrap();
+    let (cfg, store) = recycling_store(dir.path(), true, 6);
     // Every block has its own bytes (`data`), so a recycled file still
     // holding its old block's data would fail the comparison below.
     for n in 0..40u32 {
-        let bufs: Vec<Buf> = (0..4).map(|s| data(n, s)).collect();
-        let t = store
-            .dump((0..4).map(|s| bufs[s].shard(id(n), s)).collect(), 0)
-            .unwrap();
-        store.wait(t).unwrap();
+        dump_blocks(&store, n..n + 1);
         // Let the evictor keep up, so recycled files are reused.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while store.stats().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline

@@ -6,7 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::Instant;
 
 use super::{align_up, AlignedBuf, IoOp};
@@ -72,7 +72,7 @@ pub fn baseline_direct_io(
 /// (creating, freeing and, on `-o discard` mounts, discarding 100+ MiB)
 /// out of the measurements of whatever runs next.
 pub struct BaselineFile {
-    file: Arc<File>,
+    file: File,
     _scratch: Scratch,
     io_size: usize,
     qd: usize,
@@ -110,7 +110,7 @@ impl BaselineFile {
             file.set_len(file_len as u64)?;
         }
         Ok(BaselineFile {
-            file: Arc::new(file),
+            file,
             _scratch: scratch,
             io_size,
             qd,
@@ -122,23 +122,7 @@ impl BaselineFile {
 
     /// One timed pass over the whole file; GB/s.
     pub fn measure(&mut self, op: IoOp) -> std::io::Result<f64> {
-        if op == IoOp::Read && !self.written {
-            let chunk = align_up(self.io_size.max(4 << 20));
-            let mut buf = AlignedBuf::new(chunk);
-            fill(&mut buf, 7);
-            let mut off = 0usize;
-            while off < self.file_len {
-                let n = chunk.min(self.file_len - off);
-                self.file.write_all_at(&buf[..n], off as u64)?;
-                off += n;
-            }
-            self.file.sync_data()?;
-        }
-        let secs = self.pass(op, None)?;
-        if op == IoOp::Write {
-            self.written = true;
-        }
-        Ok(self.file_len as f64 / secs.max(1e-9) / 1e9)
+        self.timed(op, None)
     }
 
     /// Like [`BaselineFile::measure`], but moving the bytes of `mem` (read
@@ -160,10 +144,26 @@ impl BaselineFile {
                 ),
             ));
         }
+        let len = self.file_len;
+        self.timed(op, Some(&mut mem[..len]))
+    }
+
+    /// A read first has the file written in full (untimed); then one timed
+    /// [`BaselineFile::pass`]; GB/s.
+    fn timed(&mut self, op: IoOp, mem: Option<&mut [u8]>) -> std::io::Result<f64> {
         if op == IoOp::Read && !self.written {
-            self.measure(IoOp::Write)?;
+            let chunk = align_up(self.io_size.max(4 << 20));
+            let mut buf = AlignedBuf::new(chunk);
+            fill(&mut buf, 7);
+            let mut off = 0usize;
+            while off < self.file_len {
+                let n = chunk.min(self.file_len - off);
+                self.file.write_all_at(&buf[..n], off as u64)?;
+                off += n;
+            }
+            self.file.sync_data()?;
         }
-        let secs = self.pass(op, Some(&mut mem[..self.file_len]))?;
+        let secs = self.pass(op, mem)?;
         if op == IoOp::Write {
             self.written = true;
         }

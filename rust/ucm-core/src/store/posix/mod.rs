@@ -950,18 +950,19 @@ impl Shared {
                         .fetch_add(1, Ordering::Relaxed);
                 }
                 let done = writer.finish(index, &result);
-                if done.complete {
+                let complete = done.complete;
+                let s = shared.clone();
+                let finish = move || {
+                    s.after_write(&writer, done, result, &task);
+                    s.end_io();
+                };
+                if complete {
                     // The rename goes to the committer thread: an I/O
                     // thread (io_uring has one) that renamed would leave
                     // the queue without new writes meanwhile.
-                    let s = shared.clone();
-                    shared.defer(Box::new(move || {
-                        s.after_write(&writer, done, result, &task);
-                        s.end_io();
-                    }));
+                    shared.defer(Box::new(finish));
                 } else {
-                    shared.after_write(&writer, done, result, &task);
-                    shared.end_io();
+                    finish();
                 }
             }),
         );
