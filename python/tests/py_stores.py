@@ -86,11 +86,11 @@ class DictStore(UcmKVStoreBase):
         ]
 
     def load(self, block_ids, shard_index, tensors) -> Task:
-        rows = self._rows(*pack_tensors(tensors, len(block_ids), writable=True))
+        rows = self._rows(*pack_tensors(tensors, len(block_ids), writable=True, sizes=self.sizes))
         return self._move(block_ids, list(shard_index), rows, load=True)
 
     def dump(self, block_ids, shard_index, tensors) -> Task:
-        rows = self._rows(*pack_tensors(tensors, len(block_ids), writable=False))
+        rows = self._rows(*pack_tensors(tensors, len(block_ids), writable=False, sizes=self.sizes))
         return self._move(block_ids, list(shard_index), rows, load=False)
 
     def _addr_rows(self, addrs: np.ndarray, n: int):

@@ -26,6 +26,7 @@ from ucm.store.errors import (
     UnsupportedError,
 )
 from ucm.store.factory import UcmConnectorFactory
+from ucm.store.memory import Regions
 
 __all__ = [
     "BlockNotFoundError",
@@ -36,6 +37,7 @@ __all__ = [
     "OsApiError",
     "PipelineStoreConfig",
     "PosixStoreConfig",
+    "Regions",
     "StoreClosedError",
     "StoreTimeoutError",
     "Task",

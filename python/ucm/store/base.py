@@ -17,13 +17,17 @@ from typing import Any
 
 import numpy as np
 
+from ucm.store.memory import Regions
+
 
 @dataclass(eq=False)
 class Task:
     """Handle of a submitted load or dump.
 
-    It keeps the caller's tensors alive until the task is waited, so memory
-    the store is still reading or writing can't be freed under it.
+    Dropping it without waiting is harmless: a store keeps the memory of a
+    transfer alive until the transfer finished (the built-in stores hold the
+    tensors in the native store; a store written in Python may use
+    ``keepalive`` for what its own threads still use).
     """
 
     task_id: int
@@ -58,27 +62,39 @@ class UcmKVStoreBase(abc.ABC):
         self,
         block_ids: Sequence[bytes],
         shard_index: Sequence[int],
-        tensors: Sequence[Sequence[Any]],
+        tensors: Sequence[Sequence[Any]] | Regions,
     ) -> Task:
         """Copies shard ``shard_index[i]`` of block ``block_ids[i]`` into the
-        tensors ``tensors[i]`` (torch CPU tensors or numpy arrays, used in place)."""
+        tensors ``tensors[i]`` (torch CPU tensors or numpy arrays, used in
+        place), or into the addresses of a :class:`~ucm.store.memory.Regions`
+        (checked against its tensors). This is the safe form: the tensors stay
+        alive until the transfer finished, even if the task is dropped.
+        :func:`~ucm.store.memory.pack_tensors` turns either form into
+        (address, length) segments for a store written in Python."""
 
     @abc.abstractmethod
     def dump(
         self,
         block_ids: Sequence[bytes],
         shard_index: Sequence[int],
-        tensors: Sequence[Sequence[Any]],
+        tensors: Sequence[Sequence[Any]] | Regions,
     ) -> Task:
-        """Stores the tensors ``tensors[i]`` as shard ``shard_index[i]`` of block
-        ``block_ids[i]``."""
+        """Stores the tensors ``tensors[i]`` (or the regions of a
+        :class:`~ucm.store.memory.Regions`) as shard ``shard_index[i]`` of
+        block ``block_ids[i]``. Safe like :meth:`load`."""
 
     @abc.abstractmethod
     def load_data(
         self, block_ids: Sequence[bytes], shard_index: Sequence[int], dst_addr: np.ndarray
     ) -> Task:
         """Like :meth:`load`, into raw addresses: a 2-D uint64 array with one
-        row per shard and one column per tensor of ``tensor_size_list``."""
+        row per shard and one column per tensor of ``tensor_size_list``.
+
+        **Unchecked**: nothing tells the store what the addresses point to or
+        keeps that memory alive. It must stay allocated and untouched until
+        :meth:`wait` returned, and a wrong address corrupts the process. For
+        the connector's and other internal use, :meth:`load` with a
+        :class:`~ucm.store.memory.Regions` is the safe equivalent."""
 
     @abc.abstractmethod
     def dump_data(
@@ -89,7 +105,8 @@ class UcmKVStoreBase(abc.ABC):
         prerequisite_handle: int = 0,
     ) -> Task:
         """Like :meth:`dump`, from raw addresses. ``prerequisite_handle`` is an
-        event the store waits on before reading device memory (0 = none)."""
+        event the store waits on before reading device memory (0 = none).
+        **Unchecked**, like :meth:`load_data`."""
 
     @abc.abstractmethod
     def wait(self, task: Task) -> None:

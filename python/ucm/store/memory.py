@@ -1,14 +1,25 @@
 """Describing caller memory for the native stores.
 
 Tensors are used in place: only their address and size cross into Rust.
-Each shard becomes a list of (address, length) segments, packed in CSR form
-(flat pointers, flat lengths, row offsets) so a batch crosses the binding in
-three arrays.
+A transfer names its memory in one of two safe forms:
+
+* rows of tensors, ``tensors[i]`` being the tensors whose concatenated bytes
+  form shard ``i``; each shard becomes a list of (address, length) segments,
+  packed in CSR form (flat pointers, flat lengths, row offsets) so a batch
+  crosses the binding in three arrays;
+* :class:`Regions`: an address matrix pointing inside tensors the caller
+  hands over with it (a whole KV cache, a staging buffer), which avoids
+  building one tensor view per shard; the store checks every address range
+  against those tensors.
+
+Either way the store keeps the tensors alive until the transfer finished,
+whatever happens to the task handle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,10 +48,39 @@ def segment(obj: Any, where: str, *, writable: bool) -> tuple[int, int]:
     )
 
 
+@dataclass(frozen=True)
+class Regions:
+    """Shards given as addresses inside tensors the caller owns.
+
+    ``addrs`` is an (n_shards, k) uint64 matrix: entry ``[i][j]`` is where
+    tensor ``j`` of the store's ``tensor_size_list`` starts for shard ``i``.
+    Every range must lie inside the memory of one of ``owners`` (contiguous
+    torch CPU tensors or numpy arrays); the store checks this and keeps the
+    owners alive until the transfer finished.
+    """
+
+    owners: Sequence[Any]
+    addrs: Any
+
+    def bounds(self, *, writable: bool) -> list[tuple[int, int]]:
+        """(address, nbytes) of each owner's memory."""
+        return [
+            segment(t, f"Regions.owners[{i}]", writable=writable) for i, t in enumerate(self.owners)
+        ]
+
+
 def pack_tensors(
-    tensors: Sequence[Sequence[Any]], n_shards: int, *, writable: bool
+    tensors: Sequence[Sequence[Any]] | Regions,
+    n_shards: int,
+    *,
+    writable: bool,
+    sizes: Sequence[int] = (),
 ) -> tuple[list[int], list[int], list[int]]:
-    """CSR description (ptrs, lens, offsets) of ``tensors[i][j]``."""
+    """CSR description (ptrs, lens, offsets) of ``tensors[i][j]``, or of the
+    address rows of a :class:`Regions` (whose columns are ``sizes`` bytes),
+    checked against its owners."""
+    if isinstance(tensors, Regions):
+        return _pack_regions(tensors, n_shards, writable=writable, sizes=sizes)
     if len(tensors) != n_shards:
         raise InvalidParamError(
             f"tensors has {len(tensors)} row(s) but block_ids has {n_shards}; they must match"
@@ -68,3 +108,30 @@ def as_addr_matrix(addrs: Any, n_shards: int) -> np.ndarray:
             f"got shape {arr.shape}"
         )
     return arr
+
+
+def _pack_regions(
+    regions: Regions, n_shards: int, *, writable: bool, sizes: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    addrs = as_addr_matrix(regions.addrs, n_shards)
+    if addrs.shape[1] != len(sizes):
+        raise InvalidParamError(
+            f"Regions.addrs has {addrs.shape[1]} column(s) but the store's tensor_size_list "
+            f"has {len(sizes)} entries"
+        )
+    bounds = sorted(regions.bounds(writable=writable))
+    if not bounds:
+        raise InvalidParamError("Regions.owners: at least one tensor is required")
+    starts = np.array([b[0] for b in bounds], dtype=np.uint64)
+    ends = np.array([b[0] + b[1] for b in bounds], dtype=np.uint64)
+    lens = np.broadcast_to(np.asarray(sizes, dtype=np.uint64), addrs.shape)
+    owner = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    inside = (owner >= 0) & (addrs + lens <= ends[np.clip(owner, 0, None)])
+    if not inside.all():
+        r, c = (int(x) for x in np.argwhere(~inside)[0])
+        raise InvalidParamError(
+            f"Regions.addrs[{r}][{c}]: {int(lens[r, c])} bytes at {int(addrs[r, c]):#x} lie "
+            "outside the memory of the tensors given with them"
+        )
+    offsets = list(range(0, addrs.size + 1, addrs.shape[1]))
+    return addrs.ravel().tolist(), lens.ravel().tolist(), offsets

@@ -29,7 +29,7 @@ from ucm.store.config import (
     PosixStoreConfig,
 )
 from ucm.store.errors import InvalidParamError
-from ucm.store.memory import as_addr_matrix, pack_tensors
+from ucm.store.memory import Regions, as_addr_matrix, pack_tensors
 from ucm.store.remote_config import (
     REMOTE_STAGE_CONFIGS,
     NfsStoreConfig,
@@ -155,29 +155,63 @@ class UcmPipelineStore(UcmKVStoreBase):
         self._native.prefetch(block_ids)
 
     # -- transfers -------------------------------------------------------
+    # The native store keeps the tensors of a transfer alive until the
+    # transfer finished, so a dropped Task never frees memory in use.
     def load(
         self,
         block_ids: Sequence[bytes],
         shard_index: Sequence[int],
-        tensors: Sequence[Sequence[Any]],
+        tensors: Sequence[Sequence[Any]] | Regions,
     ) -> Task:
+        if isinstance(tensors, Regions):
+            return self._regions(self._native.load_addrs, block_ids, shard_index, tensors, True)
         ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=True)
-        tid = self._native.load_segs(block_ids, list(shard_index), ptrs, lens, offsets)
-        return Task(tid, keepalive=tensors)
+        tid = self._native.load_segs(
+            block_ids, list(shard_index), ptrs, lens, offsets, owner=tensors
+        )
+        return Task(tid)
 
     def dump(
         self,
         block_ids: Sequence[bytes],
         shard_index: Sequence[int],
-        tensors: Sequence[Sequence[Any]],
+        tensors: Sequence[Sequence[Any]] | Regions,
     ) -> Task:
+        if isinstance(tensors, Regions):
+            return self._regions(self._native.dump_addrs, block_ids, shard_index, tensors, False)
         ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=False)
-        tid = self._native.dump_segs(block_ids, list(shard_index), ptrs, lens, offsets)
-        return Task(tid, keepalive=tensors)
+        tid = self._native.dump_segs(
+            block_ids, list(shard_index), ptrs, lens, offsets, owner=tensors
+        )
+        return Task(tid)
+
+    def _regions(
+        self,
+        submit: Any,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        regions: Regions,
+        writable: bool,
+    ) -> Task:
+        addrs = as_addr_matrix(regions.addrs, len(block_ids))
+        tid = submit(
+            block_ids,
+            _indices(shard_index),
+            addrs,
+            self._col_sizes(addrs),
+            owner=regions,
+            bounds=regions.bounds(writable=writable),
+        )
+        return Task(tid)
 
     def load_data(
         self, block_ids: Sequence[bytes], shard_index: Sequence[int], dst_addr: np.ndarray
     ) -> Task:
+        """Like :meth:`load`, into raw addresses. **Unchecked**: the store
+        can't tell what the addresses point to, nor keep that memory alive;
+        it must stay allocated and untouched until :meth:`wait` returned. A
+        wrong address corrupts the process. Prefer :meth:`load` with tensors
+        or :class:`~ucm.store.memory.Regions`."""
         addrs = as_addr_matrix(dst_addr, len(block_ids))
         tid = self._native.load_addrs(
             block_ids, _indices(shard_index), addrs, self._col_sizes(addrs)
@@ -191,6 +225,9 @@ class UcmPipelineStore(UcmKVStoreBase):
         src_addr: np.ndarray,
         prerequisite_handle: int = 0,
     ) -> Task:
+        """Like :meth:`dump`, from raw addresses. **Unchecked**, like
+        :meth:`load_data`: the memory must stay allocated and unchanged until
+        :meth:`wait` returned."""
         addrs = as_addr_matrix(src_addr, len(block_ids))
         tid = self._native.dump_addrs(
             block_ids, _indices(shard_index), addrs, self._col_sizes(addrs), prerequisite_handle
@@ -202,13 +239,10 @@ class UcmPipelineStore(UcmKVStoreBase):
         return self._sizes or [0] * addrs.shape[1]
 
     def wait(self, task: Task) -> None:
-        try:
-            self._native.wait(task.task_id)
-        finally:
-            task.keepalive = None
+        self._native.wait(_task_id(task))
 
     def check(self, task: Task) -> bool:
-        return self._native.check(task.task_id)
+        return self._native.check(_task_id(task))
 
     # -- management ------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -247,6 +281,12 @@ class UcmPipelineStore(UcmKVStoreBase):
         failed; the stores are closed either way."""
         self._finalizer.detach()
         self._native.close()
+
+
+def _task_id(task: Any) -> Any:
+    """The handle inside a :class:`Task`; anything else goes to the native
+    store as it is, which names what it got."""
+    return task.task_id if isinstance(task, Task) else task
 
 
 def _indices(shard_index: Sequence[int] | np.ndarray) -> np.ndarray | list[int]:

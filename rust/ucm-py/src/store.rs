@@ -1,12 +1,24 @@
 //! `NativeStore`: the Python face of the core's stores.
 //!
 //! Converts ids, shard indices and memory descriptions into owned Rust
-//! values, then runs the core call with the GIL released. The caller's
-//! Python wrapper (`ucm.store`) keeps tensors alive until `wait`.
+//! values, then runs the core call with the GIL released.
+//!
+//! Caller memory: a transfer submitted with an `owner` (the Python objects
+//! whose memory the transfer reads or writes) keeps a reference to it here,
+//! in the store, until the core reports the task finished: `wait` returned,
+//! `check` said so, the store closed, or a later submit found it finished.
+//! The `Task` handle Python holds is only an id, so dropping it, closing
+//! the store or garbage-collecting either never frees memory the core still
+//! uses. This was chosen over "dropping an unfinished task waits for it":
+//! a wait inside a finalizer would block whatever thread the garbage
+//! collector happens to run on for up to `timeout_ms`.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -14,6 +26,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use ucm_core::io::IoEngineKind;
 use ucm_core::store::cache::{CacheConfig, DeviceMemory, FillPolicy, PolicyKind, WriteBackPolicy};
 use ucm_core::store::{CacheStore, EmptyStore, PosixConfig, PosixStore, Store};
+use ucm_core::task::TaskId;
 use ucm_core::{BlockId, MemSeg, ShardIo};
 
 use crate::errors::{invalid, IntoPyResult};
@@ -31,6 +44,32 @@ pub struct PyStore {
     /// Set when this store became another store's backend: the owner
     /// closes it, so dropping this handle must not.
     consumed: AtomicBool,
+    /// Owners of the caller memory of unfinished transfers (module docs).
+    owners: Mutex<Owners>,
+}
+
+/// Python objects owning the memory of transfers in flight, by task.
+struct Owners {
+    by_task: HashMap<TaskId, Py<PyAny>>,
+    /// Owners of transfers submitted to this store's backend before a
+    /// cache took it over; released when the cache closes.
+    until_close: Vec<Py<PyAny>>,
+    /// Size at which the next submit looks for finished tasks to release.
+    sweep_at: usize,
+}
+
+/// Smallest [`Owners::sweep_at`]: sweeping costs one `check` per entry,
+/// so it runs when the map has doubled since the last sweep.
+const MIN_SWEEP: usize = 64;
+
+impl Default for Owners {
+    fn default() -> Self {
+        Owners {
+            by_task: HashMap::new(),
+            until_close: Vec::new(),
+            sweep_at: MIN_SWEEP,
+        }
+    }
 }
 
 impl PyStore {
@@ -40,7 +79,49 @@ impl PyStore {
             posix,
             cache: None,
             consumed: AtomicBool::new(false),
+            owners: Mutex::new(Owners::default()),
         }
+    }
+
+    /// Keeps `owner` alive until `task` finished; first releases the owners
+    /// of tasks that finished without anyone waiting for them.
+    fn hold(&self, task: TaskId, owner: Option<Py<PyAny>>) {
+        let Some(owner) = owner else { return };
+        let released = {
+            let mut owners = self.owners.lock();
+            owners.by_task.insert(task, owner);
+            if owners.by_task.len() < owners.sweep_at {
+                return;
+            }
+            let finished: Vec<TaskId> = owners
+                .by_task
+                .keys()
+                .copied()
+                // A handle the core no longer knows was dropped after it
+                // finished (never waited): its memory is free too.
+                .filter(|t| self.store.check(*t).unwrap_or(true))
+                .collect();
+            let released: Vec<Py<PyAny>> = finished
+                .iter()
+                .filter_map(|t| owners.by_task.remove(t))
+                .collect();
+            owners.sweep_at = (owners.by_task.len() * 2).max(MIN_SWEEP);
+            released
+        };
+        // Dropped outside the lock: a finalizer may call back into the store.
+        drop(released);
+    }
+
+    /// Releases the owner of a task that finished.
+    fn release(&self, task: TaskId) {
+        let owner = self.owners.lock().by_task.remove(&task);
+        drop(owner);
+    }
+
+    /// Releases every owner (the store finished all its work).
+    fn release_all(&self) {
+        let owners = std::mem::take(&mut *self.owners.lock());
+        drop(owners);
     }
 
     fn usable(&self) -> PyResult<()> {
@@ -327,14 +408,21 @@ impl PyStore {
                 ),
             };
         let cache = Arc::new(py.detach(|| CacheStore::open(cfg, below)).py_err()?);
+        let mut owners = Owners::default();
         if let Ok(native) = backend.cast::<PyStore>() {
-            native.get().consumed.store(true, Ordering::Release);
+            let native = native.get();
+            native.consumed.store(true, Ordering::Release);
+            // Its transfers in flight now finish under the cache.
+            let inherited = std::mem::take(&mut *native.owners.lock());
+            owners.until_close.extend(inherited.by_task.into_values());
+            owners.until_close.extend(inherited.until_close);
         }
         Ok(PyStore {
             store: cache.clone(),
             posix,
             cache: Some(cache),
             consumed: AtomicBool::new(false),
+            owners: Mutex::new(owners),
         })
     }
 
@@ -365,8 +453,13 @@ impl PyStore {
         py.detach(move || store.prefetch(&ids)).py_err()
     }
 
-    /// Starts a load into raw addresses: `addrs` is (n, k) uint64 and column
-    /// `j` is `sizes[j]` bytes.
+    /// Starts a load into addresses: `addrs` is (n, k) uint64 and column
+    /// `j` is `sizes[j]` bytes. With `bounds` (the (address, length) of the
+    /// memory of each object in `owner`), every range must lie inside one
+    /// of them and `owner` is kept alive until the task finished; without,
+    /// the addresses are trusted as they are (the raw `load_data` API).
+    #[pyo3(signature = (block_ids, shard_index, addrs, sizes, owner=None, bounds=None))]
+    #[allow(clippy::too_many_arguments)] // the address matrix and its owners
     fn load_addrs(
         &self,
         py: Python<'_>,
@@ -374,14 +467,20 @@ impl PyStore {
         shard_index: &Bound<'_, PyAny>,
         addrs: &Bound<'_, PyAny>,
         sizes: Vec<usize>,
+        owner: Option<Py<PyAny>>,
+        bounds: Option<Vec<(u64, u64)>>,
     ) -> PyResult<u64> {
-        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes)?;
+        self.usable()?;
+        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?;
         let store = self.store.clone();
-        py.detach(move || store.load(shards)).py_err()
+        let task = py.detach(move || store.load(shards)).py_err()?;
+        self.hold(task, owner);
+        Ok(task)
     }
 
-    /// Starts a dump from raw addresses (see `load_addrs`).
-    #[pyo3(signature = (block_ids, shard_index, addrs, sizes, prerequisite_handle=0))]
+    /// Starts a dump from addresses (see `load_addrs`).
+    #[pyo3(signature = (block_ids, shard_index, addrs, sizes, prerequisite_handle=0, owner=None, bounds=None))]
+    #[allow(clippy::too_many_arguments)] // the address matrix and its owners
     fn dump_addrs(
         &self,
         py: Python<'_>,
@@ -390,14 +489,24 @@ impl PyStore {
         addrs: &Bound<'_, PyAny>,
         sizes: Vec<usize>,
         prerequisite_handle: u64,
+        owner: Option<Py<PyAny>>,
+        bounds: Option<Vec<(u64, u64)>>,
     ) -> PyResult<u64> {
-        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes)?;
+        self.usable()?;
+        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?;
         let store = self.store.clone();
-        py.detach(move || store.dump(shards, prerequisite_handle))
-            .py_err()
+        let task = py
+            .detach(move || store.dump(shards, prerequisite_handle))
+            .py_err()?;
+        self.hold(task, owner);
+        Ok(task)
     }
 
-    /// Starts a load into per-shard segment lists given in CSR form.
+    /// Starts a load into per-shard segment lists given in CSR form, taken
+    /// from the objects in `owner`, which are kept alive until the task
+    /// finished.
+    #[pyo3(signature = (block_ids, shard_index, ptrs, lens, offsets, owner=None))]
+    #[allow(clippy::too_many_arguments)] // one argument per CSR array
     fn load_segs(
         &self,
         py: Python<'_>,
@@ -406,14 +515,19 @@ impl PyStore {
         ptrs: Vec<u64>,
         lens: Vec<u64>,
         offsets: Vec<u64>,
+        owner: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
+        self.usable()?;
         let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
         let store = self.store.clone();
-        py.detach(move || store.load(shards)).py_err()
+        let task = py.detach(move || store.load(shards)).py_err()?;
+        self.hold(task, owner);
+        Ok(task)
     }
 
-    /// Starts a dump from per-shard segment lists given in CSR form.
-    #[pyo3(signature = (block_ids, shard_index, ptrs, lens, offsets, prerequisite_handle=0))]
+    /// Starts a dump from per-shard segment lists given in CSR form (see
+    /// `load_segs`).
+    #[pyo3(signature = (block_ids, shard_index, ptrs, lens, offsets, prerequisite_handle=0, owner=None))]
     #[allow(clippy::too_many_arguments)] // one argument per CSR array
     fn dump_segs(
         &self,
@@ -424,22 +538,37 @@ impl PyStore {
         lens: Vec<u64>,
         offsets: Vec<u64>,
         prerequisite_handle: u64,
+        owner: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
+        self.usable()?;
         let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
         let store = self.store.clone();
-        py.detach(move || store.dump(shards, prerequisite_handle))
-            .py_err()
+        let task = py
+            .detach(move || store.dump(shards, prerequisite_handle))
+            .py_err()?;
+        self.hold(task, owner);
+        Ok(task)
     }
 
     /// Blocks (without the GIL) until the task finishes; raises on failure.
-    fn wait(&self, py: Python<'_>, task_id: u64) -> PyResult<()> {
+    /// Even when it raises (a timeout included), no I/O of the task touches
+    /// caller memory any more, so the task's memory is released.
+    fn wait(&self, py: Python<'_>, task_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let task = parse_task_id(task_id)?;
         let store = self.store.clone();
-        py.detach(move || store.wait(task_id)).py_err()
+        let res = py.detach(move || store.wait(task));
+        self.release(task);
+        res.py_err()
     }
 
     /// True when the task finished; never blocks.
-    fn check(&self, task_id: u64) -> PyResult<bool> {
-        self.store.check(task_id).py_err()
+    fn check(&self, task_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let task = parse_task_id(task_id)?;
+        let done = self.store.check(task).py_err()?;
+        if done {
+            self.release(task);
+        }
+        Ok(done)
     }
 
     /// Finishes in-flight work and stops the store's threads (a cache
@@ -449,7 +578,10 @@ impl PyStore {
             return Ok(());
         }
         let store = self.store.clone();
-        py.detach(move || store.close()).py_err()
+        let res = py.detach(move || store.close());
+        // Closing finished (or abandoned) every task: no I/O is left.
+        self.release_all();
+        res.py_err()
     }
 
     /// Writes every dirty block to the backend; raises if some could not
@@ -544,6 +676,7 @@ impl PyStore {
         shard_index: &Bound<'_, PyAny>,
         addrs: &Bound<'_, PyAny>,
         sizes: &[usize],
+        bounds: Option<Vec<(u64, u64)>>,
     ) -> PyResult<Vec<ShardIo>> {
         let ids = parse_ids(block_ids)?;
         let idx = parse_indices(shard_index, ids.len())?;
@@ -554,13 +687,66 @@ impl PyStore {
                 ids.len()
             )));
         }
-        shards_from_addrs(ids, idx, &flat, cols, sizes)
+        let shards = shards_from_addrs(ids, idx, &flat, cols, sizes)?;
+        if let Some(bounds) = bounds {
+            check_within(&shards, bounds)?;
+        }
+        Ok(shards)
     }
+}
+
+/// A task handle from Python: a positive integer that fits 64 bits.
+fn parse_task_id(obj: &Bound<'_, PyAny>) -> PyResult<TaskId> {
+    let describe = || {
+        let ty = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        let shown = obj.repr().map(|r| r.to_string()).unwrap_or_default();
+        invalid(format!(
+            "task must be a handle returned by load/dump (a positive integer), got {ty} {shown}"
+        ))
+    };
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(describe());
+    }
+    match obj.extract::<u64>() {
+        Ok(id) if id > 0 => Ok(id),
+        _ => Err(describe()),
+    }
+}
+
+/// Checks that every segment lies inside one of `bounds` (address, length):
+/// the memory of the objects the caller handed over with the addresses.
+fn check_within(shards: &[ShardIo], mut bounds: Vec<(u64, u64)>) -> PyResult<()> {
+    bounds.sort_unstable();
+    for (r, shard) in shards.iter().enumerate() {
+        for (c, seg) in shard.segs.iter().enumerate() {
+            let (addr, len) = (seg.addr as u64, seg.len as u64);
+            // The last region starting at or before `addr`.
+            let i = bounds.partition_point(|(start, _)| *start <= addr);
+            let inside = i > 0 && {
+                let (start, size) = bounds[i - 1];
+                addr.checked_add(len)
+                    .is_some_and(|end| end <= start.saturating_add(size))
+            };
+            if !inside {
+                return Err(invalid(format!(
+                    "addresses[{r}][{c}]: {len} bytes at {addr:#x} lie outside the memory of \
+                     the tensors given with them"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Drop for PyStore {
     fn drop(&mut self) {
         if self.consumed.load(Ordering::Acquire) {
+            // The cache that owns the store finishes its tasks on close;
+            // owners dropped with this handle were of refused submits only.
             return;
         }
         // Joining the store's threads must not happen with the GIL held:
