@@ -1,6 +1,7 @@
 //! The background thread of the Posix store: capacity eviction and the
 //! clean-up of blocks whose assembly was abandoned.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,17 +107,53 @@ fn evict_one(shared: &Shared, id: &super::BlockId) -> bool {
     shared
         .counters
         .evictions
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        .fetch_add(1, Ordering::Relaxed);
     let path = shared.paths.block(id);
     if shared.spares.recycle(shared.paths.root_index(id), &path) {
         shared
             .counters
             .files_recycled
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(1, Ordering::Relaxed);
     } else {
         let _ = std::fs::remove_file(path);
     }
     true
+}
+
+impl Shared {
+    /// Spare files a store with a capacity keeps by recycling evicted block
+    /// files: the pool's target, at most a tenth of the capacity (0: no
+    /// capacity, or no pool).
+    pub(super) fn recycled_spares(&self) -> u64 {
+        let cap = self.cfg.capacity_bytes;
+        let len = self.layout.file_len().max(1);
+        (self.spares.target() as u64).min(cap / 10 / len)
+    }
+
+    /// True when the filler must not create spare files: the store has
+    /// reached its capacity once (it evicted), or creating would take it
+    /// there. From then on the pool is refilled by eviction only (see
+    /// [`evict`] and [`Shared::spare_for_new_block`]), so a store at
+    /// capacity keeps a fixed set of files: a create after the evictor's
+    /// batch freed room would only make a later eviction delete a file.
+    pub(super) fn near_capacity(&self) -> bool {
+        let reserve = self.recycled_spares() * self.layout.file_len();
+        reserve > 0
+            && (self.counters.evictions.load(Ordering::Relaxed) > 0
+                || self.index.used_bytes() + reserve > self.cfg.capacity_bytes)
+    }
+
+    /// Bytes of capacity the evictor keeps free while the spare pool misses
+    /// files: [`Shared::recycled_spares`] files, the same margin at which
+    /// the filler stops creating ([`Shared::near_capacity`]), so one of the
+    /// two always refills the pool. A store at capacity then dumps into
+    /// recycled files: it neither creates nor deletes files.
+    pub(super) fn spare_reserve_bytes(&self) -> u64 {
+        if self.spares.deficit() == 0 {
+            return 0;
+        }
+        self.recycled_spares() * self.layout.file_len()
+    }
 }
 
 /// A block whose shards stopped arriving (a layer-wise dump cut short)

@@ -1,0 +1,394 @@
+//! Loads: a block file is opened once per run of adjacent shards, read
+//! with one vectored request straight into caller memory (or through a
+//! bounce buffer where O_DIRECT can't use it), and every shard's header and
+//! checksum are verified before the shard counts as loaded. A shard that
+//! fails verification is zeroed in caller memory and its file removed.
+
+use std::sync::Arc;
+
+use super::index;
+use super::layout::{checksum_segs, ShardHeader, HEADER_LEN};
+use super::{files, Shared};
+use crate::block::{BlockId, MemSeg, ShardIo};
+use crate::error::{Result, UcmError};
+use crate::io::{IoEngine, IoOp, IoRequest};
+use crate::task::Task;
+use std::sync::atomic::Ordering;
+
+impl Shared {
+    /// Pins `block` (so eviction leaves it alone) and opens its file.
+    pub(super) fn open_for_load(&self, block: &BlockId) -> Result<(index::Pin, files::OpenFile)> {
+        let pin = match self.index.pin(block) {
+            Some(p) => p,
+            None if self.present(block) => self
+                .index
+                .pin(block)
+                .ok_or_else(|| UcmError::NotFound(format!("block {block}")))?,
+            None => {
+                return Err(UcmError::NotFound(format!(
+                    "block {block} is not in the store"
+                )))
+            }
+        };
+        match self.opener.read(&self.paths.block(block)) {
+            Ok(f) => Ok((pin, f)),
+            Err(e) => {
+                if e.code() == -50005 {
+                    // Evicted or deleted behind our back.
+                    self.index.remove(block);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Loads a run of adjacent shards of one block (see [`load_runs`]) with
+    /// one vectored read: one open, one request and one completion instead
+    /// of one per shard. Completes one unit of `task` per shard.
+    pub(super) fn start_load_run(
+        self: &Arc<Self>,
+        engine: &Arc<dyn IoEngine>,
+        task: &Arc<Task>,
+        run: Vec<ShardIo>,
+    ) {
+        let single = |shared: &Arc<Self>, run: Vec<ShardIo>| {
+            for shard in run {
+                if let Err(e) = shared.start_load(engine, task, shard) {
+                    task.complete_unit(Err(e));
+                }
+            }
+        };
+        if run.len() < 2 {
+            return single(self, run);
+        }
+        let (pin, open) = match self.open_for_load(&run[0].block) {
+            Ok(p) => p,
+            Err(e) => {
+                for _ in 0..run.len() {
+                    task.complete_unit(Err(e.clone()));
+                }
+                return;
+            }
+        };
+        if open.direct && !run.iter().all(|s| self.align.fits(&s.segs)) {
+            // Unaligned caller memory bounces shard by shard.
+            drop((pin, open));
+            return single(self, run);
+        }
+        let size = self.layout.shard_size;
+        let region = HEADER_LEN + size;
+        let pad = self.padded() - size;
+        let n = run.len();
+        let mut heads = engine.bounce(HEADER_LEN * n);
+        // The padding between regions is read into (and overwritten in) one
+        // scratch buffer: it carries nothing.
+        let mut sink = (pad > 0).then(|| engine.bounce(pad));
+        let mut iov = Vec::with_capacity(n * (run[0].segs.len() + 2));
+        for (j, shard) in run.iter().enumerate() {
+            if j > 0 {
+                if let Some(sink) = sink.as_mut() {
+                    iov.push(MemSeg {
+                        addr: sink.as_mut_ptr() as usize,
+                        len: pad,
+                    });
+                }
+            }
+            iov.push(MemSeg {
+                addr: heads.as_mut_ptr() as usize + j * HEADER_LEN,
+                len: HEADER_LEN,
+            });
+            iov.extend_from_slice(&shard.segs);
+        }
+        let req = IoRequest {
+            op: IoOp::Read,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
+            offset: self.layout.offset(run[0].index),
+            iov,
+            fixed: None,
+        };
+        let stride = region + pad;
+        let shared = self.clone();
+        let task = task.clone();
+        self.begin_io();
+        engine.submit(
+            req,
+            Box::new(move |res| {
+                let outcomes: Vec<Result<()>> = run
+                    .iter()
+                    .enumerate()
+                    .map(|(j, shard)| {
+                        // What the read delivered of this shard's region.
+                        let got = match &res {
+                            Ok(n) => Ok(n.saturating_sub(j * stride).min(region)),
+                            Err(e) => Err(copy_io_error(e)),
+                        };
+                        let head = &heads[j * HEADER_LEN..(j + 1) * HEADER_LEN];
+                        shared.finish_load(shard, got, region, head, false, &task)
+                    })
+                    .collect();
+                drop((open, pin, heads, sink));
+                for outcome in outcomes {
+                    shared.complete_load(&task, outcome);
+                }
+                shared.end_io();
+            }),
+        );
+    }
+
+    pub(super) fn start_load(
+        self: &Arc<Self>,
+        engine: &Arc<dyn IoEngine>,
+        task: &Arc<Task>,
+        shard: ShardIo,
+    ) -> Result<()> {
+        let (pin, open) = self.open_for_load(&shard.block)?;
+        let bounce_needed = open.direct && !self.align.fits(&shard.segs);
+        let mut head = engine.bounce(if bounce_needed {
+            HEADER_LEN + self.padded()
+        } else {
+            HEADER_LEN
+        });
+        let mut iov = vec![MemSeg {
+            addr: head.as_mut_ptr() as usize,
+            len: if bounce_needed {
+                HEADER_LEN + self.padded()
+            } else {
+                HEADER_LEN
+            },
+        }];
+        if !bounce_needed {
+            iov.extend_from_slice(&shard.segs);
+        }
+        let fixed = if bounce_needed {
+            head.fixed_index()
+        } else {
+            None
+        };
+        let expected: usize = iov.iter().map(|s| s.len).sum();
+        let req = IoRequest {
+            op: IoOp::Read,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
+            offset: self.layout.offset(shard.index),
+            iov,
+            fixed,
+        };
+        let shared = self.clone();
+        let task = task.clone();
+        self.begin_io();
+        engine.submit(
+            req,
+            Box::new(move |res| {
+                let outcome =
+                    shared.finish_load(&shard, res, expected, &head[..], bounce_needed, &task);
+                drop((open, pin, head));
+                shared.complete_load(&task, outcome);
+                shared.end_io();
+            }),
+        );
+        Ok(())
+    }
+
+    /// Counts and completes one loaded shard; callers release the file, pin
+    /// and buffers first, so a finished task leaves the block evictable.
+    pub(super) fn complete_load(&self, task: &Task, outcome: Result<()>) {
+        if outcome.is_ok() {
+            self.counters.shards_loaded.fetch_add(1, Ordering::Relaxed);
+        }
+        task.complete_unit(outcome);
+    }
+
+    pub(super) fn finish_load(
+        &self,
+        shard: &ShardIo,
+        res: std::io::Result<usize>,
+        expected: usize,
+        head: &[u8],
+        bounced: bool,
+        task: &Task,
+    ) -> Result<()> {
+        let size = self.layout.shard_size;
+        let path = || self.paths.block(&shard.block);
+        let verdict = match res {
+            Err(e) => Err(UcmError::os("read", path(), e)),
+            Ok(n) if n < expected => Err(UcmError::Corrupt(format!(
+                "block {} shard {}: file is truncated ({n} of {expected} bytes)",
+                shard.block, shard.index
+            ))),
+            Ok(_) => ShardHeader::decode_expect(head, &shard.block, shard.index, &self.layout)
+                .and_then(|hdr| {
+                    let sum = if bounced {
+                        xxhash_rust::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
+                    } else {
+                        // SAFETY: the caller guarantees the segments are valid
+                        // until its task completes, which happens after this.
+                        unsafe { checksum_segs(&shard.segs) }
+                    };
+                    if sum != hdr.checksum {
+                        return Err(UcmError::Corrupt(format!(
+                            "block {} shard {}: data checksum mismatch",
+                            shard.block, shard.index
+                        )));
+                    }
+                    Ok(())
+                }),
+        };
+        match verdict {
+            Ok(()) => {
+                if bounced {
+                    let mut off = HEADER_LEN;
+                    for s in &shard.segs {
+                        // SAFETY: destination valid per the caller's contract;
+                        // source is inside the bounce buffer we own.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                head[off..].as_ptr(),
+                                s.addr as *mut u8,
+                                s.len,
+                            )
+                        };
+                        off += s.len;
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if !bounced {
+                    // Don't leave foreign or corrupt bytes in caller memory.
+                    for s in &shard.segs {
+                        // SAFETY: as above.
+                        unsafe { std::ptr::write_bytes(s.addr as *mut u8, 0, s.len) };
+                    }
+                }
+                if matches!(e, UcmError::Corrupt(_)) && !bounced && self.file_verifies(shard) {
+                    // The bytes were verified in the caller's memory, which
+                    // the caller changed while they were arriving (a race in
+                    // the caller, e.g. writing a block it is loading): the
+                    // stored block is intact and stays.
+                    let e = UcmError::Corrupt(format!(
+                        "block {} shard {}: the destination memory changed while the shard \
+                         was being loaded (the stored block is intact)",
+                        shard.block, shard.index
+                    ));
+                    task.record_error(e.clone());
+                    log::warn!("{e}");
+                    return Err(e);
+                }
+                if matches!(e, UcmError::Corrupt(_)) {
+                    // Fail the task first: once the file is gone, the task's
+                    // other shards would report "not found" instead.
+                    task.record_error(e.clone());
+                    self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
+                    // A corrupt file would fail every later load: drop it so
+                    // the next dump of this block rewrites it.
+                    self.index.remove(&shard.block);
+                    let _ = std::fs::remove_file(path());
+                    log::warn!("{e}; the block file was removed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads one shard of a block file again into private memory and checks
+    /// its header and checksum: true when the stored shard is intact.
+    pub(super) fn file_verifies(&self, shard: &ShardIo) -> bool {
+        use std::os::unix::fs::FileExt;
+        let size = self.layout.shard_size;
+        let Ok(file) = std::fs::File::open(self.paths.block(&shard.block)) else {
+            return false;
+        };
+        let mut buf = vec![0u8; HEADER_LEN + size];
+        if file
+            .read_exact_at(&mut buf, self.layout.offset(shard.index))
+            .is_err()
+        {
+            return false;
+        }
+        ShardHeader::decode_expect(&buf[..HEADER_LEN], &shard.block, shard.index, &self.layout)
+            .is_ok_and(|hdr| xxhash_rust::xxh3::xxh3_64(&buf[HEADER_LEN..]) == hdr.checksum)
+    }
+}
+
+/// Most shards one coalesced read covers: a run needs up to three iovecs
+/// per shard plus the tensors, well under IOV_MAX (1024).
+const MAX_RUN_SHARDS: usize = 64;
+/// Most iovecs in one coalesced read.
+const MAX_RUN_IOVECS: usize = 1000;
+
+/// Splits a load into runs of consecutive shards of one block with
+/// consecutive indices (whole-block and multi-layer loads, which the
+/// connector submits block-major), each read with one request.
+pub(super) fn load_runs(shards: Vec<ShardIo>) -> Vec<Vec<ShardIo>> {
+    let mut runs: Vec<Vec<ShardIo>> = Vec::new();
+    let mut iovecs = 0;
+    for shard in shards {
+        let cost = shard.segs.len() + 2;
+        if let Some(run) = runs.last_mut() {
+            let last = &run[run.len() - 1];
+            if last.block == shard.block
+                && last.index + 1 == shard.index
+                && run.len() < MAX_RUN_SHARDS
+                && iovecs + cost <= MAX_RUN_IOVECS
+            {
+                iovecs += cost;
+                run.push(shard);
+                continue;
+            }
+        }
+        iovecs = cost;
+        runs.push(vec![shard]);
+    }
+    runs
+}
+
+/// `std::io::Error` is not `Clone`; keeps the OS code where there is one.
+fn copy_io_error(e: &std::io::Error) -> std::io::Error {
+    match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(block: u8, index: usize) -> ShardIo {
+        ShardIo {
+            block: BlockId([block; 16]),
+            index,
+            segs: vec![MemSeg { addr: 4096, len: 8 }],
+        }
+    }
+
+    #[test]
+    fn load_runs_group_adjacent_shards_of_one_block() {
+        let shape = |shards: Vec<ShardIo>| -> Vec<Vec<(u8, usize)>> {
+            load_runs(shards)
+                .into_iter()
+                .map(|r| r.iter().map(|s| (s.block.0[0], s.index)).collect())
+                .collect()
+        };
+        let got = shape(vec![
+            shard(1, 0),
+            shard(1, 1),
+            shard(1, 2),
+            shard(2, 3),
+            shard(2, 4),
+            shard(2, 6),
+            shard(2, 5),
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                vec![(1, 0), (1, 1), (1, 2)],
+                vec![(2, 3), (2, 4)],
+                vec![(2, 6)],
+                vec![(2, 5)],
+            ]
+        );
+        let long = shape((0..MAX_RUN_SHARDS + 3).map(|i| shard(3, i)).collect());
+        assert_eq!(long.len(), 2);
+        assert_eq!(long[0].len(), MAX_RUN_SHARDS);
+    }
+}
