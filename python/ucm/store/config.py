@@ -97,6 +97,13 @@ class PosixStoreConfig:
     posix_spare_files: int = 64
     """Temporary files kept created and allocated ahead of dumps, per directory
     (hides slow file creation, e.g. on NFS); 0 disables."""
+    durability: str = "none"
+    """What a successful dump guarantees: ``none`` (published in the page
+    cache: survives a killed process), ``data`` (data synced before the
+    rename) or ``full`` (and the directory synced: survives a power cut)."""
+    posix_strict: bool = False
+    """Refuse storage directories other users can write to, and block files
+    other users own, instead of warning."""
 
     def __post_init__(self) -> None:
         if isinstance(self.storage_backends, str):
@@ -111,6 +118,7 @@ class PosixStoreConfig:
             )
         if self.io_threads <= 0:
             raise ConfigError(f"io_threads: must be > 0, got {self.io_threads}")
+        self.durability = _one_of("durability", self.durability, ("none", "data", "full"))
         if self.timeout_ms < 0:
             raise ConfigError(f"timeout_ms: must be >= 0, got {self.timeout_ms}")
         if self.posix_spare_files < 0:

@@ -52,6 +52,8 @@ def _open_native(name: str, cfg: Any) -> _native.NativeStore:
             capacity_bytes=int(cfg.posix_capacity_gb * GIB),
             device_id=cfg.device_id,
             spare_files=cfg.posix_spare_files,
+            durability=cfg.durability,
+            strict=cfg.posix_strict,
         )
     if isinstance(cfg, EmptyStoreConfig):
         return _native.NativeStore.empty(timeout_ms=cfg.timeout_ms)

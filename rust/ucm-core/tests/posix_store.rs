@@ -224,27 +224,30 @@ fn concurrent_writers_of_one_block_leave_one_whole_block() {
             }
         }
     }
-    // No temporaries left behind once the stores are closed (spare files
-    // included).
+    // No temporaries left behind once the stores are closed (the spare
+    // files stay for the next store to adopt).
     drop(a);
     drop(b);
-    let leftovers: Vec<String> = walk(dir.path())
-        .into_iter()
-        .filter(|p| p.contains(".tmp."))
-        .collect();
+    let (_, leftovers) = work_files(dir.path());
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
-fn walk(dir: &std::path::Path) -> Vec<String> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap().flatten() {
-        if e.path().is_dir() {
-            out.extend(walk(&e.path()));
-        } else {
-            out.push(e.path().display().to_string());
+/// Files in the stores' work directories: the number of spare files, and
+/// every other file but the locks and closed markers (temporaries).
+fn work_files(root: &std::path::Path) -> (usize, Vec<String>) {
+    let mut spares = 0;
+    let mut others = Vec::new();
+    for d in std::fs::read_dir(root.join(".work")).unwrap().flatten() {
+        for f in std::fs::read_dir(d.path()).unwrap().flatten() {
+            let name = f.file_name().to_string_lossy().to_string();
+            if name.starts_with("spare.") {
+                spares += 1;
+            } else if name != "lock" && name != "closed" {
+                others.push(f.path().display().to_string());
+            }
         }
     }
-    out
+    (spares, others)
 }
 
 #[test]
@@ -280,8 +283,8 @@ fn checksum_failure_is_a_load_error_and_clears_the_destination() {
 #[test]
 fn whole_block_loads_verify_every_shard_of_the_coalesced_read() {
     // A whole-block load reads the block's shards with one request; each
-    // shard is still verified on its own, and a file cut short fails the
-    // shards it no longer covers.
+    // shard is still verified on its own. A file cut short is refused
+    // before any byte is read (and removed).
     each_mode(|engine, direct| {
         let dir = tempfile::tempdir().unwrap();
         let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
@@ -315,9 +318,16 @@ fn whole_block_loads_verify_every_shard_of_the_coalesced_read() {
             let err = store.wait(t).unwrap_err();
             assert_eq!(err.code(), -50011, "{err}");
             assert!(err.to_string().contains(what), "{err}");
-            let bad = if b == 1 { 2 } else { 3 };
+            if b == 2 {
+                assert!(!path2.exists(), "the truncated file stays");
+                for (s, o) in outs.iter().enumerate() {
+                    let untouched = Buf::filled(SHARD, 50 + s as u32, 0);
+                    assert!(o.slice() == untouched.slice(), "shard {s} touched");
+                }
+                continue;
+            }
             for (s, o) in outs.iter_mut().enumerate() {
-                if s == bad {
+                if s == 2 {
                     assert!(
                         o.slice_mut().iter().all(|&x| x == 0),
                         "shard {s} not cleared"
@@ -371,9 +381,8 @@ fn spare_files_are_used_and_cleaned_up() {
     let mut cfg = config(dir.path(), IoEngineKind::Psync, true);
     cfg.spare_files = 4;
     let store = PosixStore::open(cfg.clone()).unwrap();
-    let spare_dir = dir.path().join(".spare");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while std::fs::read_dir(&spare_dir).map_or(0, |d| d.count()) < 4 {
+    while work_files(dir.path()).0 < 4 {
         assert!(
             std::time::Instant::now() < deadline,
             "spares were not created"
@@ -394,12 +403,24 @@ fn spare_files_are_used_and_cleaned_up() {
     store.wait(t).unwrap();
     assert_eq!(out.slice(), bufs[2].slice());
     drop(store);
-    assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 0);
-    // Spares of a dead process are removed by the next start.
-    std::fs::write(spare_dir.join("spare.tmp.4194303.9"), b"").unwrap();
+    // The pool outlives a clean close, and the next store adopts it
+    // (moves the files into its own work directory) instead of creating.
+    let (left, temps) = work_files(dir.path());
+    assert!(left >= 1 && temps.is_empty(), "{left} spares, {temps:?}");
+    let before = inodes(&dir.path().join(".work"));
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    let dirs = std::fs::read_dir(dir.path().join(".work")).unwrap().count();
+    assert_eq!(dirs, 1, "the closed store's work directory is gone");
+    let adopted = inodes(&dir.path().join(".work"));
+    assert!(
+        before.intersection(&adopted).count() >= left.min(4),
+        "spares were recreated"
+    );
+    drop(store);
+    // A store without a pool removes them.
     cfg.spare_files = 0;
     let store = PosixStore::open(cfg).unwrap();
-    assert_eq!(std::fs::read_dir(&spare_dir).unwrap().count(), 0);
+    assert_eq!(work_files(dir.path()).0, 0);
     assert_eq!(store.stats().blocks, 8);
 }
 
@@ -549,9 +570,7 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
     assert!(st.evictions >= 30, "{st:?}");
     assert!(st.files_recycled >= 10, "{st:?}");
     // The spare directory never holds more than the pool's cap (4 x 2).
-    let spares = std::fs::read_dir(dir.path().join(".spare"))
-        .unwrap()
-        .count();
+    let spares = work_files(dir.path()).0;
     assert!(spares <= 8, "{spares} spare files");
     let present = store.lookup(&(0..40).map(id).collect::<Vec<_>>()).unwrap();
     assert!(present[39] && !present[0], "{present:?}");
@@ -590,11 +609,7 @@ fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         // Evictions keep up with the dumps: within the capacity, and the
         // spare pool (4 files) refilled by recycling.
-        let spares = || {
-            std::fs::read_dir(dir.path().join(".spare"))
-                .unwrap()
-                .count()
-        };
+        let spares = || work_files(dir.path()).0;
         while (store.stats().used_bytes > cfg.capacity_bytes || spares() < 4)
             && std::time::Instant::now() < deadline
         {

@@ -25,6 +25,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use ucm_core::io::IoEngineKind;
 use ucm_core::store::cache::{CacheConfig, DeviceMemory, FillPolicy, PolicyKind, WriteBackPolicy};
+use ucm_core::store::posix::Durability;
 use ucm_core::store::{CacheStore, EmptyStore, PosixConfig, PosixStore, Store};
 use ucm_core::task::TaskId;
 use ucm_core::{BlockId, MemSeg, ShardIo};
@@ -301,7 +302,7 @@ fn shards_from_segs(
 impl PyStore {
     /// Opens a Posix store. Arguments are the validated config fields.
     #[staticmethod]
-    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0, spare_files=64))]
+    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0, spare_files=64, durability="none", strict=false))]
     #[allow(clippy::too_many_arguments)] // mirrors the config keys one to one
     fn posix(
         py: Python<'_>,
@@ -316,8 +317,11 @@ impl PyStore {
         capacity_bytes: u64,
         device_id: i64,
         spare_files: usize,
+        durability: &str,
+        strict: bool,
     ) -> PyResult<Self> {
         let kind: IoEngineKind = io_engine.parse().py_err()?;
+        let durability: Durability = durability.parse().py_err()?;
         let cfg = PosixConfig {
             storage_backends,
             block_size,
@@ -330,6 +334,8 @@ impl PyStore {
             capacity_bytes,
             device_id,
             spare_files,
+            durability,
+            strict,
         };
         let store = Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?);
         Ok(PyStore::plain(store.clone(), Some(store)))

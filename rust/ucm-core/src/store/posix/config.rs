@@ -9,6 +9,38 @@ use crate::io::IoEngineKind;
 /// keeps the per-block bookkeeping small).
 pub const MAX_SHARDS: usize = 65_536;
 
+/// What a successful `wait()` of a dump guarantees about the disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// The block is published (renamed into place) in the page cache: it
+    /// survives the process being killed, not a power cut or kernel crash.
+    /// After one, a block whose data never reached the disk fails its
+    /// checksum and is treated as missing.
+    #[default]
+    None,
+    /// The block's data is on the disk (`fdatasync`) before it is renamed:
+    /// a power cut can only lose the rename, never leave a block published
+    /// over data that was not written.
+    Data,
+    /// `Data`, plus the directory is synced after the rename: a published
+    /// block survives a power cut.
+    Full,
+}
+
+impl std::str::FromStr for Durability {
+    type Err = UcmError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" => Ok(Durability::None),
+            "data" => Ok(Durability::Data),
+            "full" => Ok(Durability::Full),
+            _ => Err(UcmError::invalid(format!(
+                "durability: unknown value {s:?}; valid values: none, data, full"
+            ))),
+        }
+    }
+}
+
 /// Posix store settings. Field names match the config keys.
 #[derive(Clone, Debug)]
 pub struct PosixConfig {
@@ -36,6 +68,11 @@ pub struct PosixConfig {
     pub device_id: i64,
     /// Temporary files kept pre-created per root (0 = none); see `spare`.
     pub spare_files: usize,
+    /// What a dump's success guarantees (`durability`).
+    pub durability: Durability,
+    /// Refuse directories other users can write to, and block files other
+    /// users own (`posix_strict`), instead of warning.
+    pub strict: bool,
 }
 
 impl Default for PosixConfig {
@@ -52,6 +89,8 @@ impl Default for PosixConfig {
             capacity_bytes: 0,
             device_id: 0,
             spare_files: 64,
+            durability: Durability::None,
+            strict: false,
         }
     }
 }

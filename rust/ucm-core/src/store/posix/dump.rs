@@ -1,12 +1,16 @@
-//! Dumps: each new block is assembled in a temporary file (a spare when
-//! one is ready) by [`BlockWriter`], whatever order or task its shards
-//! arrive in, and published by a rename on the committer thread once every
-//! shard is written.
+//! Dumps: each new block is assembled in a temporary file of the store's
+//! work directory (a spare when one is ready) by [`BlockWriter`], whatever
+//! order or task its shards arrive in, and published by a rename on a
+//! committer thread once every shard is written, after the syncs that the
+//! `durability` setting asks for.
 
-use std::path::PathBuf;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::config::Durability;
+use super::files::{make_private_dir, remove_entry, OpenFile};
 use super::layout::{checksum_segs, HEADER_LEN};
 use super::writer::{self, BlockWriter, Claim};
 use super::{evict, Shared};
@@ -14,6 +18,26 @@ use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::{IoEngine, IoOp, IoRequest};
 use crate::task::Task;
+
+/// The code of [`UcmError::NotFound`].
+const NOT_FOUND: i32 = -50005;
+/// True when `e` is the OS error `code`.
+fn is_os_error(e: &UcmError, code: i32) -> bool {
+    matches!(e, UcmError::Os { source, .. } if source.raw_os_error() == Some(code))
+}
+
+/// Spares that fail their check in a row before a dump creates a file.
+const MAX_BAD_SPARES: usize = 4;
+/// Temporary names found taken in a row before a create gives up.
+const MAX_TAKEN_NAMES: usize = 16;
+
+/// A temporary file opened for a new block.
+struct TempFile {
+    path: PathBuf,
+    file: OpenFile,
+    /// It came from the spare pool (and goes back there if unused).
+    spare: bool,
+}
 
 /// Longest a load waits for a commit in progress (a rename and an index
 /// insert; the bound only matters if the committing thread is starved).
@@ -26,44 +50,95 @@ impl Shared {
     /// commit either joins that writer or sees the published block, and
     /// never starts a second writer that would wait forever for shards
     /// already written.
-    pub(super) fn writer_for(&self, block: &BlockId) -> Option<Arc<BlockWriter>> {
+    pub(super) fn writer_for(&self, block: &BlockId) -> Result<Option<Arc<BlockWriter>>> {
         let assembling = {
             let writers = self.writers.lock();
             if let Some(w) = writers.get(block) {
                 if w.failure().is_none() {
-                    return Some(w.clone());
+                    return Ok(Some(w.clone()));
                 }
             }
             if self.index.contains(block) {
-                return None;
+                return Ok(None);
             }
             writers.len()
         };
-        // Outside the lock: finding a file may evict (rename) a batch.
+        // Outside the lock: finding a file may evict (rename) a batch, and
+        // creating one is slow on some file systems.
         let root = self.paths.root_index(block);
-        let spare = self.spare_for_new_block(root, assembling);
+        let temp = self.temp_file(block, root, assembling)?;
         let mut writers = self.writers.lock();
         let existing = writers
             .get(block)
             .filter(|w| w.failure().is_none())
             .cloned();
         if existing.is_some() || self.index.contains(block) {
-            if let Some(f) = spare {
-                self.spares.put_back(root, f);
+            let TempFile { path, file, spare } = temp;
+            drop(file);
+            if spare {
+                self.spares.put_back(root, path);
+            } else {
+                let _ = std::fs::remove_file(path);
             }
-            return existing;
+            return Ok(existing);
         }
         if self.spare_reserve_bytes() > 0 {
             // At capacity the pool is refilled by evicting ahead of need.
             evict::wake(self);
         }
-        let tmp = spare.unwrap_or_else(|| {
-            let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-            self.paths.temp(block, seq)
-        });
-        let w = Arc::new(BlockWriter::new(*block, tmp, self.layout.shard_count));
+        let w = Arc::new(BlockWriter::new(
+            *block,
+            temp.path,
+            temp.file,
+            self.layout.shard_count,
+        ));
         writers.insert(*block, w.clone());
-        Some(w)
+        Ok(Some(w))
+    }
+
+    /// An open file to assemble `block` in: a checked spare when the pool
+    /// has one (a spare that fails the check is removed), else a new file.
+    fn temp_file(&self, block: &BlockId, root: usize, assembling: usize) -> Result<TempFile> {
+        for _ in 0..MAX_BAD_SPARES {
+            let Some(path) = self.spare_for_new_block(root, assembling) else {
+                break;
+            };
+            if let Some(file) = self.opener.reuse(&path, self.layout.file_len()) {
+                return Ok(TempFile {
+                    path,
+                    file,
+                    spare: true,
+                });
+            }
+            remove_entry(&path);
+        }
+        let mut attempt = 0;
+        loop {
+            let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+            let path = self.paths.temp(block, seq);
+            match self.opener.create(&path) {
+                Ok(file) => {
+                    return Ok(TempFile {
+                        path,
+                        file,
+                        spare: false,
+                    })
+                }
+                // Something was planted at this name: never reuse it.
+                Err(e) if is_os_error(&e, libc::EEXIST) && attempt < MAX_TAKEN_NAMES => {}
+                Err(e) if e.code() == NOT_FOUND && attempt == 0 => {
+                    // The work directory was removed under us: make it again.
+                    if let Some(dir) = path.parent() {
+                        if let Some(parent) = dir.parent() {
+                            make_private_dir(parent)?;
+                        }
+                        make_private_dir(dir)?;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+            attempt += 1;
+        }
     }
 
     /// A spare file for a new block under root `root`, with `assembling`
@@ -129,7 +204,7 @@ impl Shared {
         task: &Arc<Task>,
         shard: ShardIo,
     ) -> Result<()> {
-        let Some(writer) = self.writer_for(&shard.block) else {
+        let Some(writer) = self.writer_for(&shard.block)? else {
             // Content-addressed: the published block already holds these bytes.
             task.complete_unit(Ok(()));
             return Ok(());
@@ -160,10 +235,9 @@ impl Shared {
         writer: &Arc<BlockWriter>,
         shard: &ShardIo,
     ) -> Result<()> {
-        let open = self.opener.write(&writer.tmp)?;
         let size = self.layout.shard_size;
         let padded = self.padded();
-        let bounce_needed = open.direct && !self.align.fits(&shard.segs);
+        let bounce_needed = writer.file.direct && !self.align.fits(&shard.segs);
         let head_len = if bounce_needed {
             HEADER_LEN + padded
         } else {
@@ -214,7 +288,8 @@ impl Shared {
         let expected: usize = iov.iter().map(|s| s.len).sum();
         let req = IoRequest {
             op: IoOp::Write,
-            fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
+            // The writer (and so the file) lives until the completion.
+            fd: writer.file.file.as_raw_fd(),
             offset: self.layout.offset(shard.index),
             iov,
             fixed,
@@ -228,7 +303,6 @@ impl Shared {
             req,
             Box::new(move |res| {
                 drop(head);
-                drop(open);
                 let result = match res {
                     Ok(n) if n == expected => Ok(()),
                     Ok(n) => Err(UcmError::Os {
@@ -297,9 +371,31 @@ impl Shared {
 
     pub(super) fn commit(&self, writer: &BlockWriter) -> Result<()> {
         let dst = self.paths.block(&writer.block);
+        let synced = match self.cfg.durability {
+            Durability::None => Ok(()),
+            Durability::Data | Durability::Full => writer
+                .file
+                .file
+                .sync_data()
+                .map_err(|e| UcmError::os("fdatasync", &writer.tmp, e)),
+        };
+        if let Err(e) = synced {
+            let _ = std::fs::remove_file(&writer.tmp);
+            return Err(e);
+        }
         if let Err(e) = std::fs::rename(&writer.tmp, &dst) {
             let _ = std::fs::remove_file(&writer.tmp);
             return Err(UcmError::os("rename", &writer.tmp, e));
+        }
+        if self.cfg.durability == Durability::Full {
+            if let Some(dir) = dst.parent() {
+                // The block is in the index only once its name is durable;
+                // a failed sync leaves it unpublished (the rename may or may
+                // not survive a crash, and its checksum covers either case).
+                sync_dir(dir).inspect_err(|_| {
+                    let _ = std::fs::remove_file(&dst);
+                })?;
+            }
         }
         self.index
             .insert(writer.block, self.layout.file_len(), None);
@@ -311,4 +407,11 @@ impl Shared {
         }
         Ok(())
     }
+}
+
+/// Makes the entries of `dir` durable (`fsync` of the directory).
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| UcmError::os("fsync", dir, e))
 }

@@ -39,6 +39,7 @@ pub(super) fn stop(shared: &Shared) {
 }
 
 fn run(shared: &Shared) {
+    let mut last_beat = std::time::Instant::now();
     loop {
         {
             let (lock, cv) = &shared.evict_signal;
@@ -53,6 +54,12 @@ fn run(shared: &Shared) {
         }
         evict_over_capacity(shared);
         drop_abandoned_writers(shared);
+        if last_beat.elapsed() >= super::work::HEARTBEAT {
+            if let Some(w) = shared.work.lock().as_ref() {
+                w.heartbeat();
+            }
+            last_beat = std::time::Instant::now();
+        }
     }
 }
 
@@ -104,10 +111,7 @@ fn evict_one(shared: &Shared, id: &super::BlockId) -> bool {
     }
     // Counted with each removal, so stats never show a block gone from the
     // index but not yet counted as evicted.
-    shared
-        .counters
-        .evictions
-        .fetch_add(1, Ordering::Relaxed);
+    shared.counters.evictions.fetch_add(1, Ordering::Relaxed);
     let path = shared.paths.block(id);
     if shared.spares.recycle(shared.paths.root_index(id), &path) {
         shared

@@ -1,25 +1,55 @@
 //! Where block files live and how they are opened.
 //!
-//! Layout: `<root>/<2 hex>/<32 hex>` (the id in lowercase hex, byte order),
-//! with the root picked by the id when there are several. A block being
-//! written lives next to its final name as
-//! `<32 hex>.tmp.<pid>.<instance>.<seq>`, so a rename inside one directory
-//! publishes it atomically, two writers (threads, stores of one process, or
-//! processes) never share a temporary file, and a restart can tell whose
-//! leftovers it is looking at.
+//! Layout under each root:
+//!
+//! ```text
+//! <root>/<2 hex>/<32 hex>            published blocks (the id in lowercase hex)
+//! <root>/.work/<token>/lock          held (flock) by the live store instance <token>
+//! <root>/.work/<token>/<32 hex>.<n>  a block being written by that instance
+//! <root>/.work/<token>/spare.<n>     a spare file (see `spare`)
+//! ```
+//!
+//! The root is picked by the id when there are several. A block is written
+//! in its writer's private work directory and renamed to its final name
+//! (same file system, so the publish is atomic); readers only ever open
+//! final names, so they never see a partial block.
+//!
+//! The directory is hostile ground: another local user or a second store
+//! may have put anything at any of these names. Hence:
+//! * temporaries are created with `O_CREAT|O_EXCL|O_NOFOLLOW` (a planted
+//!   file or symlink is never reused or followed), under a random token;
+//! * a spare is reopened with `O_NOFOLLOW` and checked with `fstat` (a
+//!   regular file of ours with one link) before it is written;
+//! * a block file is checked with `lstat`, opened with
+//!   `O_NOFOLLOW|O_NONBLOCK` and checked again with `fstat` (a regular file
+//!   of the block's exact length) before any read, so a symlink, FIFO,
+//!   device, socket or directory at a block's name is an error for that
+//!   block at once, never a hang or a read elsewhere;
+//! * a work directory's owner is alive exactly while the kernel holds its
+//!   `flock`, which works across PID namespaces (containers sharing a
+//!   volume), unlike asking whether a pid exists.
 
 use std::ffi::CString;
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::fs::{File, Metadata, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::block::{BlockId, MemSeg};
 use crate::error::{Result, UcmError};
 use crate::io::DIRECT_ALIGN;
 
-/// Marker between the id and the owner in temporary file names.
-pub const TMP_MARKER: &str = ".tmp.";
+/// Directory under each root holding the stores' work directories.
+pub const WORK_DIR: &str = ".work";
+/// The lock file inside a work directory.
+pub const LOCK_FILE: &str = "lock";
+/// Marker of the temporary names older versions used inside the block
+/// directories (`<32 hex>.tmp.<pid>.<instance>.<seq>`), and of their
+/// `.spare` directory; only cleaned up now.
+pub const LEGACY_TMP_MARKER: &str = ".tmp.";
+/// The spare-file directory of older versions.
+pub const LEGACY_SPARE_DIR: &str = ".spare";
 
 /// Alignment O_DIRECT needs on the store's file systems.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,14 +100,27 @@ pub fn direct_align(dir: &Path) -> DirectAlign {
     }
 }
 
-/// Distinguishes the stores of one process (several may share a
-/// directory, e.g. vLLM's scheduler and worker run in one process).
-static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+/// A random token naming one store instance's work directories: unique
+/// across processes, hosts and PID namespaces sharing the directory.
+pub fn random_token() -> String {
+    let mut b = [0u8; 8];
+    // SAFETY: `b` is a valid, writable buffer of the length passed.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        // getrandom can't fail for 8 bytes after boot; mix what else is
+        // unique to this instance rather than give up.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        b = (t ^ (u64::from(std::process::id()) << 32) ^ (&b as *const _ as u64)).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
 
 /// Naming of block files under the store's roots.
 pub struct Paths {
     roots: Vec<PathBuf>,
-    instance: u64,
+    token: String,
 }
 
 impl Paths {
@@ -85,13 +128,13 @@ impl Paths {
     pub fn new(roots: Vec<PathBuf>) -> Self {
         Paths {
             roots,
-            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+            token: random_token(),
         }
     }
 
-    /// `<pid>.<instance>`: the owner part of this store's temporary names.
-    pub fn owner(&self) -> String {
-        format!("{}.{}", std::process::id(), self.instance)
+    /// The token of this store instance (its work directories' name).
+    pub fn token(&self) -> &str {
+        &self.token
     }
 
     /// The store's root directories.
@@ -108,7 +151,7 @@ impl Paths {
         &self.roots[self.root_index(id)]
     }
 
-    /// Directory holding the block (and its temporaries).
+    /// Directory holding the block.
     pub fn dir(&self, id: &BlockId) -> PathBuf {
         let hex = id.hex();
         self.root_of(id).join(&hex[..2])
@@ -120,14 +163,19 @@ impl Paths {
         self.root_of(id).join(&hex[..2]).join(hex)
     }
 
-    /// A fresh temporary path for writing `id`, unique to this process.
-    pub fn temp(&self, id: &BlockId, seq: u64) -> PathBuf {
-        let hex = id.hex();
-        let name = format!("{hex}{TMP_MARKER}{}.{seq}", self.owner());
-        self.root_of(id).join(&hex[..2]).join(name)
+    /// This instance's work directory under root `root`.
+    pub fn work_dir(&self, root: usize) -> PathBuf {
+        self.roots[root].join(WORK_DIR).join(&self.token)
     }
 
-    /// Creates the 256 subdirectories of every root, mode 0700.
+    /// A fresh temporary path for writing `id`, in this instance's work
+    /// directory of the block's root.
+    pub fn temp(&self, id: &BlockId, seq: u64) -> PathBuf {
+        self.work_dir(self.root_index(id))
+            .join(format!("{}.{seq}", id.hex()))
+    }
+
+    /// Creates the 256 block directories of every root, mode 0700.
     pub fn create_dirs(&self) -> Result<()> {
         for root in &self.roots {
             for b in 0..=255u8 {
@@ -148,9 +196,51 @@ pub fn make_private_dir(dir: &Path) -> Result<()> {
     }
 }
 
+/// What a non-regular file is, for messages.
+pub fn kind_of(meta: &Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "a regular file"
+    }
+}
+
+/// Removes whatever sits at `path` without following it (a symlink is
+/// removed, not its target); a directory only if it is empty.
+pub fn remove_entry(path: &Path) {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => {
+            let _ = std::fs::remove_dir(path);
+        }
+        Ok(_) => {
+            let _ = std::fs::remove_file(path);
+        }
+        Err(_) => {}
+    }
+}
+
+/// The effective uid of this process.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no failure modes and no arguments.
+    unsafe { libc::geteuid() }
+}
+
 /// Opens block files, with O_DIRECT when asked and supported.
 pub struct Opener {
     direct: AtomicBool,
+    /// Only files owned by this process's uid are block files (`posix_strict`).
+    own_files_only: bool,
 }
 
 /// An open block file and whether it was opened with O_DIRECT.
@@ -162,30 +252,28 @@ pub struct OpenFile {
 }
 
 impl Opener {
-    /// `direct` requests O_DIRECT.
-    pub fn new(direct: bool) -> Self {
+    /// `direct` requests O_DIRECT; `own_files_only` refuses block files
+    /// other users own.
+    pub fn new(direct: bool, own_files_only: bool) -> Self {
         Opener {
             direct: AtomicBool::new(direct),
+            own_files_only,
         }
     }
 
-    fn open(&self, path: &Path, write: bool) -> std::io::Result<OpenFile> {
+    /// Opens with `opts` plus O_DIRECT when in effect, falling back to
+    /// buffered I/O once for all when the file system refuses O_DIRECT.
+    fn open(&self, path: &Path, opts: &OpenOptions, flags: i32) -> std::io::Result<OpenFile> {
         let attempt = |direct: bool| {
-            let mut o = OpenOptions::new();
-            if write {
-                o.write(true).create(true).mode(0o600);
-            } else {
-                o.read(true);
-            }
-            o.custom_flags(if direct { libc::O_DIRECT } else { 0 });
+            let mut o = opts.clone();
+            o.custom_flags(flags | libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 });
             o.open(path)
         };
         let direct = self.direct.load(Ordering::Relaxed);
         match attempt(direct) {
             Ok(file) => Ok(OpenFile { file, direct }),
             Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
-                // The file system refuses O_DIRECT (some FUSE and network
-                // file systems): keep working without it, once for all.
+                // Some FUSE and network file systems refuse O_DIRECT.
                 if self.direct.swap(false, Ordering::Relaxed) {
                     log::warn!(
                         "O_DIRECT is not supported under {}; continuing with buffered I/O",
@@ -201,27 +289,127 @@ impl Opener {
         }
     }
 
-    /// Opens a published block for reading.
-    pub fn read(&self, path: &Path) -> Result<OpenFile> {
-        self.open(path, false)
-            .map_err(|e| UcmError::os("open", path, e))
+    /// Opens a published block of `len` bytes for reading. Anything at the
+    /// path but a regular file of exactly that length (of ours, in strict
+    /// mode) is [`UcmError::Corrupt`], found before any byte is read; a
+    /// missing file is [`UcmError::NotFound`].
+    pub fn read(&self, path: &Path, len: u64) -> Result<OpenFile> {
+        // Not even opened unless it looks like a block: opening a device
+        // can have side effects, and a FIFO would block.
+        let meta = std::fs::symlink_metadata(path).map_err(|e| UcmError::os("stat", path, e))?;
+        self.check_block(path, &meta, len)?;
+        let mut opts = OpenOptions::new();
+        opts.read(true);
+        let open = self
+            .open(path, &opts, libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => foreign(path, "a symbolic link"),
+                _ => UcmError::os("open", path, e),
+            })?;
+        // Swapped between the lstat and the open?
+        let meta = open
+            .file
+            .metadata()
+            .map_err(|e| UcmError::os("fstat", path, e))?;
+        self.check_block(path, &meta, len)?;
+        // Regular files ignore O_NONBLOCK for reads, but io_uring would
+        // not punt a read that must wait for the disk; clear it.
+        set_blocking(&open.file).map_err(|e| UcmError::os("fcntl", path, e))?;
+        Ok(open)
     }
 
-    /// Opens (creating, 0600) a temporary block file for writing; recreates
-    /// the parent directory once if it vanished under us.
-    pub fn write(&self, path: &Path) -> Result<OpenFile> {
-        match self.open(path, true) {
-            Ok(f) => Ok(f),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                if let Some(parent) = path.parent() {
-                    make_private_dir(parent)?;
-                }
-                self.open(path, true)
-                    .map_err(|e| UcmError::os("open", path, e))
-            }
-            Err(e) => Err(UcmError::os("open", path, e)),
+    fn check_block(&self, path: &Path, meta: &Metadata, len: u64) -> Result<()> {
+        if !meta.file_type().is_file() {
+            return Err(foreign(path, kind_of(meta)));
+        }
+        if self.own_files_only && meta.uid() != euid() {
+            return Err(foreign(
+                path,
+                &format!(
+                    "a file of uid {} (posix_strict accepts only files of uid {})",
+                    meta.uid(),
+                    euid()
+                ),
+            ));
+        }
+        if meta.len() < len {
+            return Err(UcmError::Corrupt(format!(
+                "{}: file is truncated ({} of {len} bytes)",
+                path.display(),
+                meta.len()
+            )));
+        }
+        if meta.len() > len {
+            return Err(UcmError::Corrupt(format!(
+                "{} is {} bytes, a block file is {len}",
+                path.display(),
+                meta.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Creates a new temporary file (0600) at `path` for writing: never an
+    /// existing file, never through a symlink.
+    pub fn create(&self, path: &Path) -> Result<OpenFile> {
+        let mut opts = OpenOptions::new();
+        opts.write(true).create_new(true).mode(0o600);
+        self.open(path, &opts, libc::O_NOFOLLOW)
+            .map_err(|e| UcmError::os("create", path, e))
+    }
+
+    /// Opens a spare file of this store for writing, after checking it is
+    /// what the store made: a regular file owned by this uid with one link
+    /// and at most `len` bytes. None (the caller discards it) otherwise.
+    pub fn reuse(&self, path: &Path, len: u64) -> Option<OpenFile> {
+        let mut opts = OpenOptions::new();
+        opts.write(true);
+        let open = self
+            .open(path, &opts, libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .ok()?;
+        let meta = open.file.metadata().ok()?;
+        let ours = meta.file_type().is_file()
+            && meta.uid() == euid()
+            && meta.nlink() == 1
+            && meta.len() <= len;
+        if !ours {
+            log::warn!(
+                "spare file {} was replaced by {} of uid {} with {} link(s); discarded",
+                path.display(),
+                kind_of(&meta),
+                meta.uid(),
+                meta.nlink()
+            );
+            return None;
+        }
+        set_blocking(&open.file).ok()?;
+        Some(open)
+    }
+}
+
+fn foreign(path: &Path, what: &str) -> UcmError {
+    UcmError::Corrupt(format!(
+        "{} is {what}, not a block file this store reads",
+        path.display()
+    ))
+}
+
+fn set_blocking(file: &File) -> std::io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: plain fcntl calls on a descriptor `file` owns.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
+            return Err(std::io::Error::last_os_error());
         }
     }
+    Ok(())
+}
+
+/// Takes an exclusive `flock` on `file` without waiting: true when taken.
+pub fn try_lock(file: &File) -> bool {
+    // SAFETY: flock on a descriptor `file` owns; no memory is passed.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
 
 #[cfg(test)]
@@ -236,18 +424,59 @@ mod tests {
         let id = BlockId([0xab; 16]);
         assert_eq!(paths.block(&id), d.path().join("ab").join("ab".repeat(16)));
         let tmp = paths.temp(&id, 3);
-        let name = tmp.file_name().unwrap().to_string_lossy().to_string();
-        assert!(name.starts_with(&"ab".repeat(16)) && name.contains(TMP_MARKER));
+        assert!(tmp.starts_with(d.path().join(WORK_DIR).join(paths.token())));
         let mode = std::fs::metadata(d.path().join("ab"))
             .unwrap()
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o700);
-        let f = Opener::new(false).write(&tmp).unwrap();
-        drop(f);
+        make_private_dir(&d.path().join(WORK_DIR)).unwrap();
+        make_private_dir(&paths.work_dir(0)).unwrap();
+        let opener = Opener::new(false, false);
+        drop(opener.create(&tmp).unwrap());
         let mode = std::fs::metadata(&tmp).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
+        // Never an existing file.
+        assert!(opener.create(&tmp).is_err());
         let al = direct_align(d.path());
         assert!(al.mem.is_power_of_two() && al.len.is_power_of_two());
+        assert_ne!(random_token(), random_token());
+    }
+
+    #[test]
+    fn reads_only_regular_files_of_the_block_length() {
+        let d = tempfile::tempdir().unwrap();
+        let opener = Opener::new(false, false);
+        let good = d.path().join("good");
+        std::fs::write(&good, [7u8; 100]).unwrap();
+        assert!(opener.read(&good, 100).is_ok());
+        let short = opener.read(&good, 101).err().unwrap();
+        assert_eq!(short.code(), -50011, "{short}");
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&good, &link).unwrap();
+        let e = opener.read(&link, 100).err().unwrap();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        let fifo = d.path().join("fifo");
+        let c = CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = opener.read(&fifo, 100).err().unwrap();
+        assert!(e.to_string().contains("FIFO"), "{e}");
+        let e = opener.read(d.path(), 100).err().unwrap();
+        assert!(e.to_string().contains("directory"), "{e}");
+        assert_eq!(
+            opener
+                .read(&d.path().join("none"), 100)
+                .err()
+                .unwrap()
+                .code(),
+            -50005
+        );
+        // A symlink planted at a spare's name is not followed.
+        let spare = d.path().join("spare");
+        std::os::unix::fs::symlink(&good, &spare).unwrap();
+        assert!(opener.reuse(&spare, 100).is_none());
+        remove_entry(&spare);
+        assert!(good.exists() && !spare.exists());
     }
 }

@@ -30,12 +30,21 @@ impl Shared {
                 )))
             }
         };
-        match self.opener.read(&self.paths.block(block)) {
+        let path = self.paths.block(block);
+        match self.opener.read(&path, self.layout.file_len()) {
             Ok(f) => Ok((pin, f)),
             Err(e) => {
                 if e.code() == -50005 {
                     // Evicted or deleted behind our back.
                     self.index.remove(block);
+                } else if matches!(e, UcmError::Corrupt(_)) {
+                    // Not a block file (a symlink, FIFO, device, directory,
+                    // a file of the wrong size): it would fail every later
+                    // load, and the next dump of the block replaces it.
+                    self.index.remove(block);
+                    self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
+                    files::remove_entry(&path);
+                    log::warn!("{e}; removed it from the store");
                 }
                 Err(e)
             }
@@ -294,7 +303,10 @@ impl Shared {
     pub(super) fn file_verifies(&self, shard: &ShardIo) -> bool {
         use std::os::unix::fs::FileExt;
         let size = self.layout.shard_size;
-        let Ok(file) = std::fs::File::open(self.paths.block(&shard.block)) else {
+        let buffered = files::Opener::new(false, self.cfg.strict);
+        let Ok(files::OpenFile { file, .. }) =
+            buffered.read(&self.paths.block(&shard.block), self.layout.file_len())
+        else {
             return false;
         };
         let mut buf = vec![0u8; HEADER_LEN + size];

@@ -1,14 +1,17 @@
 //! The Posix store: one file per block on local (or mounted) file systems.
 //!
-//! * Layout and file format: [`files`] and [`layout`].
-//! * Visibility: a block is written under a temporary name and renamed when
-//!   all its shards are in ([`writer`]); readers only ever open final names,
-//!   so they never see a partial block, and a killed writer leaves only a
-//!   temporary that the next start removes ([`scan`]).
-//! * Durability: the commit does not fsync. A crash can at worst leave a
-//!   published file whose pages never reached the disk; every load verifies
-//!   the shard's header and checksum, so such a file is a load error (and is
-//!   removed), never wrong bytes. This keeps dumps at disk speed.
+//! * Layout and file format: [`files`] and [`layout`]; the directory is
+//!   treated as hostile ground ([`files`], [`trust`]).
+//! * Visibility: a block is written under a temporary name in the store
+//!   instance's work directory and renamed when all its shards are in
+//!   ([`writer`]); readers only ever open final names, so they never see a
+//!   partial block, and a killed writer leaves only its work directory,
+//!   which the next start reclaims ([`work`]).
+//! * Durability (`durability`): by default the commit does not sync. A
+//!   power cut can at worst leave a published file whose pages never
+//!   reached the disk; every load verifies the shard's header and checksum,
+//!   so such a file is a load error (and is removed), never wrong bytes.
+//!   `data` syncs the data before the rename, `full` the directory too.
 //! * Lookups: an in-memory [`index`]; an index miss falls back to one `stat`
 //!   so blocks written by other processes sharing the directory (vLLM's
 //!   workers, another engine) are found too.
@@ -24,10 +27,13 @@ pub mod layout;
 mod load;
 pub mod scan;
 mod spare;
+mod trust;
+mod work;
 mod writer;
 
-pub use config::{validate_geometry, PosixConfig, MAX_SHARDS};
+pub use config::{validate_geometry, Durability, PosixConfig, MAX_SHARDS};
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -98,8 +104,10 @@ struct Shared {
     spares: SparePool,
     /// Held while a dump refills the spare pool by evicting.
     refill_lock: Mutex<()>,
-    /// Commits for the committer thread; `None` stops it.
+    /// Commits for the committer threads; `None` stops one.
     commits: crossbeam_channel::Sender<Option<CommitJob>>,
+    /// This instance's locked work directories (None: lookup-only, or closed).
+    work: Mutex<Option<work::WorkDirs>>,
 }
 
 type CommitJob = Box<dyn FnOnce() + Send + 'static>;
@@ -109,7 +117,7 @@ struct Runtime {
     workers: WorkerPool,
     evictor: Option<JoinHandle<()>>,
     spare_filler: Option<JoinHandle<()>>,
-    committer: Option<JoinHandle<()>>,
+    committers: Vec<JoinHandle<()>>,
 }
 
 /// One file per block under one or more directories.
@@ -126,9 +134,29 @@ impl PosixStore {
         cfg.validate()?;
         let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
         let paths = Paths::new(cfg.storage_backends.clone());
-        let owner = paths.owner();
-        if cfg.transfers_enabled() {
+        let file_len = layout.file_len();
+        let writes = cfg.transfers_enabled();
+        if writes {
             paths.create_dirs()?;
+        }
+        trust::check_dirs(&cfg.storage_backends, cfg.strict)?;
+        let work = if writes {
+            Some(work::WorkDirs::create(&paths)?)
+        } else {
+            None
+        };
+        let spare_target = if writes { cfg.spare_files } else { 0 };
+        let work_dirs: Vec<PathBuf> = (0..paths.roots().len())
+            .map(|i| paths.work_dir(i))
+            .collect();
+        let spares = SparePool::new(&work_dirs, spare_target, file_len);
+        let mut reclaimed = 0;
+        if writes {
+            for (i, root) in paths.roots().iter().enumerate() {
+                let r = work::reclaim(root, &work_dirs[i], spares.capacity(), file_len);
+                reclaimed += r.removed;
+                spares.adopt(i, r.spares);
+            }
         }
         let align = cfg
             .storage_backends
@@ -139,14 +167,15 @@ impl PosixStore {
                 len: a.len.max(b.len),
             });
         let index = Arc::new(Index::default());
-        let file_len = layout.file_len();
-        let report = scan::scan(&paths, &index, file_len, cfg.transfers_enabled());
+        let report = scan::scan(&paths, &index, file_len, writes);
         log::info!(
-            "posix store over {:?}: {} block(s), {} byte(s) found, {} stale temporary file(s) removed",
+            "posix store over {:?}: {} block(s), {} byte(s) found; {} file(s) of stopped \
+             stores and {} non-block file(s) at block names removed",
             cfg.storage_backends,
             report.blocks,
             report.bytes,
-            report.removed_temps
+            reclaimed + report.removed_temps,
+            report.removed_foreign
         );
         // `auto` means io_uring for O_DIRECT files only. Buffered I/O gains
         // nothing from io_uring: a read that hits the page cache is copied
@@ -171,7 +200,7 @@ impl PosixStore {
         })?;
         let (commits, commit_rx) = crossbeam_channel::unbounded::<Option<CommitJob>>();
         let shared = Arc::new(Shared {
-            opener: Opener::new(cfg.io_direct),
+            opener: Opener::new(cfg.io_direct, cfg.strict),
             layout,
             paths,
             align,
@@ -185,28 +214,32 @@ impl PosixStore {
             inflight_cv: Condvar::new(),
             max_inflight: (cfg.io_threads * 32).clamp(64, 1024),
             evict_signal: (Mutex::new(evict::Signal::default()), Condvar::new()),
-            spares: SparePool::new(
-                &cfg.storage_backends,
-                if cfg.transfers_enabled() {
-                    cfg.spare_files
-                } else {
-                    0
-                },
-                owner,
-                file_len,
-            ),
+            spares,
             refill_lock: Mutex::new(()),
             commits,
+            work: Mutex::new(work),
             cfg,
         });
-        let committer = std::thread::Builder::new()
-            .name("ucm-posix-commit".into())
-            .spawn(move || {
-                while let Ok(Some(job)) = commit_rx.recv() {
-                    job();
-                }
-            })
-            .map_err(|e| UcmError::os("spawn thread", "ucm-posix-commit", e))?;
+        // One committer renames fast enough; syncing commits (durability)
+        // wait for the disk, so they get one thread per I/O thread.
+        let committer_count = match shared.cfg.durability {
+            Durability::None => 1,
+            _ => shared.cfg.io_threads,
+        };
+        let mut committers = Vec::with_capacity(committer_count);
+        for _ in 0..committer_count {
+            let rx = commit_rx.clone();
+            committers.push(
+                std::thread::Builder::new()
+                    .name("ucm-posix-commit".into())
+                    .spawn(move || {
+                        while let Ok(Some(job)) = rx.recv() {
+                            job();
+                        }
+                    })
+                    .map_err(|e| UcmError::os("spawn thread", "ucm-posix-commit", e))?,
+            );
+        }
         let workers = WorkerPool::new("ucm-posix", shared.cfg.io_threads)?;
         let evictor = evict::spawn(shared.clone())?;
         let spare_filler = if shared.spares.enabled() {
@@ -227,7 +260,7 @@ impl PosixStore {
                 workers,
                 evictor: Some(evictor),
                 spare_filler,
-                committer: Some(committer),
+                committers,
             })),
             closed: AtomicBool::new(false),
         })
@@ -433,9 +466,11 @@ impl Store for PosixStore {
             .map(|id| self.shared.paths.block(id))
             .collect();
         // Ask the kernel to start reading the files into the page cache.
+        let opener = Opener::new(false, self.shared.cfg.strict);
+        let len = self.shared.layout.file_len();
         rt.workers.spawn(move || {
             for p in paths {
-                if let Ok(f) = std::fs::File::open(&p) {
+                if let Ok(files::OpenFile { file: f, .. }) = opener.read(&p, len) {
                     // SAFETY: fd is open for the duration of the call.
                     unsafe {
                         libc::posix_fadvise(
@@ -483,8 +518,10 @@ impl Store for PosixStore {
             }
         }
         // Every commit was queued before its request counted as done.
-        let _ = self.shared.commits.send(None);
-        if let Some(h) = rt.committer.take() {
+        for _ in &rt.committers {
+            let _ = self.shared.commits.send(None);
+        }
+        for h in rt.committers.drain(..) {
             let _ = h.join();
         }
         evict::stop(&self.shared);
@@ -495,8 +532,11 @@ impl Store for PosixStore {
         if let Some(h) = rt.spare_filler.take() {
             let _ = h.join();
         }
-        self.shared.spares.discard();
         self.shared.abandon_writers();
+        // The spares stay for the next instance, which adopts them.
+        if let Some(work) = self.shared.work.lock().take() {
+            work.close();
+        }
         drop(rt.engine);
         Ok(())
     }

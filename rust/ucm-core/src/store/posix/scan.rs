@@ -1,16 +1,18 @@
-//! Start-up scan: rebuild the index from the directories and clean up
-//! temporary files left by writers that died (SIGKILL, power loss).
+//! Start-up scan: rebuild the index from the block directories, remove
+//! what does not belong at a block's name, and clean up the temporary files
+//! older versions left in the block directories. (Work directories of dead
+//! instances are reclaimed by [`super::work::reclaim`].)
 
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use super::files::{Paths, TMP_MARKER};
+use super::files::{kind_of, Paths, LEGACY_SPARE_DIR, LEGACY_TMP_MARKER};
 use super::index::Index;
 use crate::block::BlockId;
 
-/// A temporary file whose owner is alive is still left alone after this
-/// long only if its owner can't be checked (another host on a shared FS).
-const FOREIGN_TMP_MAX_AGE: Duration = Duration::from_secs(3600);
+/// Temporaries in the older naming are removed once this old: their
+/// owners can't be told alive or dead without a lock.
+const LEGACY_TMP_MAX_AGE: Duration = Duration::from_secs(3600);
 
 /// What the scan found.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -21,13 +23,16 @@ pub struct ScanReport {
     pub bytes: u64,
     /// Leftover temporary files removed.
     pub removed_temps: usize,
+    /// Symlinks, FIFOs, devices and sockets removed from block names.
+    pub removed_foreign: usize,
     /// Files ignored (unknown names, or blocks of another size/layout).
     pub ignored: usize,
 }
 
-/// Indexes every complete block file (size `file_len`) under `paths`,
-/// ordering recency by modification time, and (when `clean` is set: only
-/// stores that write, never a lookup-only one) removes stale temporaries.
+/// Indexes every complete block file (a regular file of `file_len` bytes)
+/// under `paths`, ordering recency by modification time. When `clean` is
+/// set (stores that write, never a lookup-only one) it also removes what
+/// is not a regular file at a block's name and stale legacy temporaries.
 pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanReport {
     let mut report = ScanReport::default();
     let mut found: Vec<(SystemTime, BlockId, u64)> = Vec::new();
@@ -38,13 +43,21 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanRep
         for sub in subdirs.flatten() {
             let name = sub.file_name();
             let name = name.to_string_lossy();
-            if name == super::spare::SPARE_DIR {
+            if name == LEGACY_SPARE_DIR {
                 if clean {
-                    report.removed_temps += remove_stale_temps(&sub.path());
+                    report.removed_temps += remove_legacy_temps(&sub.path(), true);
                 }
                 continue;
             }
             if name.len() != 2 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
+                continue;
+            }
+            // `read_dir` would follow a symlink planted at a block directory.
+            if !sub.file_type().is_ok_and(|t| t.is_dir()) {
+                log::warn!(
+                    "{} is not a directory (a symlink?); its blocks are ignored",
+                    sub.path().display()
+                );
                 continue;
             }
             let Ok(files) = std::fs::read_dir(sub.path()) else {
@@ -53,19 +66,29 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanRep
             for f in files.flatten() {
                 let fname = f.file_name();
                 let fname = fname.to_string_lossy();
+                // DirEntry metadata does not follow symlinks.
                 let Ok(meta) = f.metadata() else { continue };
                 if let Some(id) = BlockId::from_hex(&fname) {
-                    if meta.len() == file_len {
-                        let mtime = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
-                        found.push((mtime, id, meta.len()));
+                    if meta.file_type().is_file() {
+                        if meta.len() == file_len {
+                            let mtime = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                            found.push((mtime, id, meta.len()));
+                        } else {
+                            report.ignored += 1;
+                        }
+                    } else if clean && !meta.is_dir() {
+                        log::warn!(
+                            "removed {} from the store: it is {}, not a block file",
+                            f.path().display(),
+                            kind_of(&meta)
+                        );
+                        let _ = std::fs::remove_file(f.path());
+                        report.removed_foreign += 1;
                     } else {
                         report.ignored += 1;
                     }
-                } else if fname.contains(TMP_MARKER) {
-                    if clean
-                        && is_stale_temp(&fname, &meta)
-                        && std::fs::remove_file(f.path()).is_ok()
-                    {
+                } else if fname.contains(LEGACY_TMP_MARKER) {
+                    if clean && is_stale_legacy(&meta) && std::fs::remove_file(f.path()).is_ok() {
                         report.removed_temps += 1;
                     }
                 } else {
@@ -84,53 +107,38 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanRep
     report
 }
 
-/// Removes the stale temporaries directly under `dir`; returns how many.
-fn remove_stale_temps(dir: &Path) -> usize {
+/// Removes the stale legacy temporaries directly under `dir` (and `dir`
+/// itself when it ends up empty and `remove_dir` is set).
+fn remove_legacy_temps(dir: &Path, remove_dir: bool) -> usize {
     let Ok(files) = std::fs::read_dir(dir) else {
         return 0;
     };
-    files
+    let n = files
         .flatten()
         .filter(|f| {
             let name = f.file_name().to_string_lossy().to_string();
-            name.contains(TMP_MARKER)
-                && f.metadata().is_ok_and(|m| is_stale_temp(&name, &m))
+            name.contains(LEGACY_TMP_MARKER)
+                && f.metadata().is_ok_and(|m| is_stale_legacy(&m))
                 && std::fs::remove_file(f.path()).is_ok()
         })
-        .count()
+        .count();
+    if remove_dir {
+        let _ = std::fs::remove_dir(dir);
+    }
+    n
 }
 
-/// A temporary is stale when its writer process is gone, or when it is old
-/// and its owner is alive or cannot be checked (another host on a shared
-/// file system, or a reused pid). Temporaries of this very process are left
-/// alone: another store of this process may be writing them.
-fn is_stale_temp(name: &str, meta: &std::fs::Metadata) -> bool {
-    let owner = name
-        .split(TMP_MARKER)
-        .nth(1)
-        .and_then(|rest| rest.split('.').next())
-        .and_then(|pid| pid.parse::<i32>().ok());
-    let old = meta
-        .modified()
+fn is_stale_legacy(meta: &std::fs::Metadata) -> bool {
+    meta.modified()
         .ok()
         .and_then(|t| t.elapsed().ok())
-        .is_some_and(|age| age >= FOREIGN_TMP_MAX_AGE);
-    match owner {
-        Some(pid) if pid as u32 == std::process::id() => old,
-        Some(pid) if pid > 0 => !process_alive(pid) || old,
-        _ => old,
-    }
+        .is_some_and(|age| age >= LEGACY_TMP_MAX_AGE)
 }
 
-fn process_alive(pid: i32) -> bool {
-    // SAFETY: kill with signal 0 only checks for existence and permission.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-/// True if a published, complete block file exists at `path`.
+/// True if a published, complete block file exists at `path` (a regular
+/// file, not a symlink to one).
 pub fn probe(path: &Path, file_len: u64) -> bool {
-    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == file_len)
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file() && m.len() == file_len)
 }
 
 #[cfg(test)]
@@ -138,36 +146,46 @@ mod tests {
     use super::*;
 
     #[test]
-    fn finds_blocks_and_removes_dead_temps() {
+    fn finds_blocks_and_removes_what_is_not_a_block() {
         let d = tempfile::tempdir().unwrap();
         let paths = Paths::new(vec![d.path().to_path_buf()]);
         paths.create_dirs().unwrap();
         let a = BlockId([0x11; 16]);
         let b = BlockId([0x22; 16]);
+        let c = BlockId([0x33; 16]);
         std::fs::write(paths.block(&a), vec![0u8; 100]).unwrap();
         std::fs::write(paths.block(&b), vec![0u8; 99]).unwrap(); // wrong size
-                                                                 // a temp of a dead process (pid 2^22 - 1 is above pid_max defaults
-                                                                 // on most systems) and one of a live process (pid 1).
-        let dead = paths
+        std::os::unix::fs::symlink(paths.block(&a), paths.block(&c)).unwrap();
+        // Legacy temporaries: an old one and a fresh one.
+        let old = paths
             .dir(&a)
-            .join(format!("{}{TMP_MARKER}4194303.1", a.hex()));
-        let live = paths.dir(&a).join(format!("{}{TMP_MARKER}1.1", a.hex()));
-        // Another store of this very process may be writing this one.
-        let ours = paths.temp(&a, 1);
-        std::fs::write(&dead, b"x").unwrap();
-        std::fs::write(&live, b"x").unwrap();
-        std::fs::write(&ours, b"x").unwrap();
+            .join(format!("{}{LEGACY_TMP_MARKER}1.1.1", a.hex()));
+        let fresh = paths
+            .dir(&a)
+            .join(format!("{}{LEGACY_TMP_MARKER}1.1.2", a.hex()));
+        std::fs::write(&old, b"x").unwrap();
+        std::fs::write(&fresh, b"x").unwrap();
+        let long_ago = SystemTime::now() - 2 * LEGACY_TMP_MAX_AGE;
+        std::fs::File::options()
+            .write(true)
+            .open(&old)
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
         let index = Index::default();
         let r = scan(&paths, &index, 100, false);
-        assert_eq!(r.removed_temps, 0);
-        assert!(dead.exists());
+        assert_eq!((r.removed_temps, r.removed_foreign), (0, 0));
+        assert!(old.exists());
         let index = Index::default();
         let r = scan(&paths, &index, 100, true);
         assert_eq!(r.blocks, 1);
         assert_eq!(r.bytes, 100);
-        assert_eq!(r.removed_temps, 1);
-        assert!(index.contains(&a) && !index.contains(&b));
-        assert!(!dead.exists() && live.exists() && ours.exists());
+        assert_eq!((r.removed_temps, r.removed_foreign), (1, 1));
+        assert!(index.contains(&a) && !index.contains(&b) && !index.contains(&c));
+        assert!(!old.exists() && fresh.exists());
+        assert!(paths.block(&a).exists(), "the symlink went, not its target");
         assert!(probe(&paths.block(&a), 100) && !probe(&paths.block(&b), 100));
+        std::os::unix::fs::symlink(paths.block(&a), paths.block(&c)).unwrap();
+        assert!(!probe(&paths.block(&c), 100));
     }
 }

@@ -30,10 +30,12 @@
 //! published before every shard is written, so those bytes are never read
 //! as a block.
 //!
-//! Spares live in `<root>/.spare/` (the same file system as the block
-//! directories, so the publishing rename stays atomic), are named like other
-//! temporaries (`spare.tmp.<pid>.<instance>.<seq>`), are removed on close, and
-//! leftovers of dead processes are removed by the next start's scan.
+//! Spares live in the store instance's work directory under each root
+//! (`<root>/.work/<token>/spare.<n>`, see [`super::work`]): the same file
+//! system as the block directories, so the publishing rename stays atomic.
+//! They outlive a clean close: the next instance adopts them (a restart
+//! keeps its pool instead of deleting and recreating it). Each is checked
+//! (see [`super::files::Opener::reuse`]) when it is taken for a block.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -42,10 +44,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::files::{make_private_dir, TMP_MARKER};
-
-/// Name of the spare-file directory under each root.
-pub const SPARE_DIR: &str = ".spare";
+use super::work::SPARE_PREFIX;
 
 /// Free bytes a file system must keep for spares to be preallocated.
 pub const PREALLOC_MIN_FREE: u64 = 2 << 30;
@@ -62,7 +61,6 @@ struct Root {
 pub struct SparePool {
     roots: Vec<Root>,
     target: usize,
-    owner: String,
     prealloc_len: u64,
     seq: AtomicU64,
     stop: AtomicBool,
@@ -70,20 +68,20 @@ pub struct SparePool {
 }
 
 impl SparePool {
-    /// A pool keeping `target` spares under each root (`target == 0`
-    /// disables it), preallocated to `prealloc_len` bytes where there is
-    /// room (0: always empty); `owner` is the store's `<pid>.<instance>`.
-    pub fn new(roots: &[PathBuf], target: usize, owner: String, prealloc_len: u64) -> Self {
+    /// A pool keeping `target` spares in each of `dirs` (the instance's
+    /// work directory of each root; `target == 0` disables it),
+    /// preallocated to `prealloc_len` bytes where there is room (0: always
+    /// empty).
+    pub fn new(dirs: &[PathBuf], target: usize, prealloc_len: u64) -> Self {
         SparePool {
-            roots: roots
+            roots: dirs
                 .iter()
-                .map(|r| Root {
-                    dir: r.join(SPARE_DIR),
+                .map(|d| Root {
+                    dir: d.clone(),
                     files: Mutex::new(VecDeque::new()),
                 })
                 .collect(),
             target,
-            owner,
             prealloc_len,
             seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
@@ -94,6 +92,22 @@ impl SparePool {
     /// True when the pool keeps spares at all.
     pub fn enabled(&self) -> bool {
         self.target > 0
+    }
+
+    /// Adds spare files adopted from a dead instance (see
+    /// [`super::work::reclaim`]) to root `root`'s pool.
+    pub fn adopt(&self, root: usize, files: Vec<PathBuf>) {
+        match self.roots.get(root) {
+            Some(r) => r.files.lock().extend(files),
+            None => files.iter().for_each(|f| {
+                let _ = std::fs::remove_file(f);
+            }),
+        }
+    }
+
+    /// The most spares a root may hold, adopted or recycled ones included.
+    pub fn capacity(&self) -> usize {
+        self.recycle_cap()
     }
 
     /// Takes a spare file under root `root` (its index), if one is ready.
@@ -132,10 +146,13 @@ impl SparePool {
         if r.files.lock().len() >= self.recycle_cap() {
             return false;
         }
+        // Only a regular file becomes a spare; whatever else was put at a
+        // block's name is deleted by the caller.
+        if !std::fs::symlink_metadata(file).is_ok_and(|m| m.file_type().is_file()) {
+            return false;
+        }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let spare = r
-            .dir
-            .join(format!("spare{TMP_MARKER}{}.r{seq}", self.owner));
+        let spare = r.dir.join(format!("{SPARE_PREFIX}r{seq}"));
         if std::fs::rename(file, &spare).is_err() {
             return false;
         }
@@ -187,11 +204,6 @@ impl SparePool {
         if !self.enabled() {
             return;
         }
-        for r in &self.roots {
-            if let Err(e) = make_private_dir(&r.dir) {
-                log::warn!("spare files disabled under {}: {e}", r.dir.display());
-            }
-        }
         while !self.stop.load(Ordering::Acquire) {
             let mut made = false;
             for r in &self.roots {
@@ -218,14 +230,11 @@ impl SparePool {
     /// Creates one spare; `ready` spares are already waiting in `dir`.
     fn create(&self, dir: &Path, ready: usize) -> Option<PathBuf> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("spare{TMP_MARKER}{}.{seq}", self.owner));
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .ok()?;
+        let path = dir.join(format!("{SPARE_PREFIX}{seq}"));
+        let file = super::files::Opener::new(false, false)
+            .create(&path)
+            .ok()?
+            .file;
         let within_budget = (ready as u64).saturating_mul(self.prealloc_len) < PREALLOC_POOL_MAX;
         if self.prealloc_len > 0 && within_budget && self.room_for_prealloc(dir) {
             preallocate(&file, self.prealloc_len);
@@ -250,7 +259,8 @@ impl SparePool {
         cv.notify_all();
     }
 
-    /// Removes the spares not taken (on close).
+    /// Removes the spares not taken (a store that must leave nothing).
+    #[cfg(test)]
     pub fn discard(&self) {
         for r in &self.roots {
             for p in r.files.lock().drain(..) {
@@ -298,12 +308,7 @@ mod tests {
     #[test]
     fn fills_hands_out_and_discards() {
         let d = tempfile::tempdir().unwrap();
-        let pool = Arc::new(SparePool::new(
-            &[d.path().to_path_buf()],
-            3,
-            "1.1".into(),
-            0,
-        ));
+        let pool = Arc::new(SparePool::new(&[d.path().to_path_buf()], 3, 0));
         let filler = {
             let p = pool.clone();
             std::thread::spawn(move || p.run(|| true))
@@ -314,15 +319,13 @@ mod tests {
         }
         assert_eq!(pool.ready(), 3);
         let f = pool.take(0).unwrap();
-        assert!(f.starts_with(d.path().join(SPARE_DIR)));
+        assert!(f.starts_with(d.path()));
         assert_eq!(std::fs::metadata(&f).unwrap().len(), 0);
         assert!(pool.take(1).is_none());
         pool.stop();
         filler.join().unwrap();
         pool.discard();
-        let left: Vec<_> = std::fs::read_dir(d.path().join(SPARE_DIR))
-            .unwrap()
-            .collect();
+        let left: Vec<_> = std::fs::read_dir(d.path()).unwrap().collect();
         assert_eq!(left.len(), 1); // only the one we took
     }
 
@@ -330,8 +333,9 @@ mod tests {
     fn recycles_block_files_up_to_the_cap() {
         let d = tempfile::tempdir().unwrap();
         let len = 64 << 20;
-        let pool = SparePool::new(&[d.path().to_path_buf()], 2, "1.3".into(), len);
-        make_private_dir(&d.path().join(SPARE_DIR)).unwrap();
+        let spares = d.path().join("spares");
+        std::fs::create_dir(&spares).unwrap();
+        let pool = SparePool::new(std::slice::from_ref(&spares), 2, len);
         // 256 MiB budget / 64 MiB files = 4 = cap (between 2 and 8).
         assert_eq!(pool.recycle_cap(), 4);
         let mut taken = Vec::new();
@@ -344,13 +348,13 @@ mod tests {
         }
         assert_eq!(pool.ready(), 4);
         while let Some(p) = pool.take(0) {
-            assert!(p.starts_with(d.path().join(SPARE_DIR)));
+            assert!(p.starts_with(&spares));
             taken.push(std::fs::read(&p).unwrap()[0]);
         }
         // The last recycled is handed out first; contents are the old ones.
         assert_eq!(taken, vec![3, 2, 1, 0]);
         assert!(!pool.recycle(1, &d.path().join("block4")), "no such root");
-        let off = SparePool::new(&[d.path().to_path_buf()], 0, "1.4".into(), len);
+        let off = SparePool::new(std::slice::from_ref(&spares), 0, len);
         assert!(!off.recycle(0, &d.path().join("block4")), "pool disabled");
     }
 
@@ -358,9 +362,8 @@ mod tests {
     fn preallocates_within_budget_when_there_is_room() {
         let d = tempfile::tempdir().unwrap();
         let len = 1 << 20;
-        let pool = SparePool::new(&[d.path().to_path_buf()], 4, "1.2".into(), len);
-        let dir = d.path().join(SPARE_DIR);
-        make_private_dir(&dir).unwrap();
+        let pool = SparePool::new(&[d.path().to_path_buf()], 4, len);
+        let dir = d.path().to_path_buf();
         let room = pool.room_for_prealloc(&dir);
         let first = pool.create(&dir, 0).unwrap();
         let expect = if room { len } else { 0 };

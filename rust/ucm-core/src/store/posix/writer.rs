@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use super::files::OpenFile;
 use crate::block::BlockId;
 use crate::error::{Result, UcmError};
 use crate::task::Task;
@@ -41,6 +42,8 @@ pub struct BlockWriter {
     pub block: BlockId,
     /// Its temporary file.
     pub tmp: PathBuf,
+    /// The temporary file, open for writing until the writer is dropped.
+    pub file: OpenFile,
     state: Mutex<State>,
     settled_cv: Condvar,
 }
@@ -68,11 +71,12 @@ pub struct Finished {
 }
 
 impl BlockWriter {
-    /// A writer for `shards` shards into `tmp`.
-    pub fn new(block: BlockId, tmp: PathBuf, shards: usize) -> Self {
+    /// A writer for `shards` shards into `file`, open at `tmp`.
+    pub fn new(block: BlockId, tmp: PathBuf, file: OpenFile, shards: usize) -> Self {
         BlockWriter {
             block,
             tmp,
+            file,
             state: Mutex::new(State {
                 slots: (0..shards).map(|_| Slot::Empty).collect(),
                 done: 0,
@@ -203,11 +207,19 @@ mod tests {
     use super::*;
     use crate::task::TaskRegistry;
 
+    fn writer(shards: usize) -> BlockWriter {
+        let file = OpenFile {
+            file: tempfile::tempfile().unwrap(),
+            direct: false,
+        };
+        BlockWriter::new(BlockId([1; 16]), PathBuf::from("/x"), file, shards)
+    }
+
     #[test]
     fn completes_only_when_all_shards_are_written_in_any_order() {
         let reg = TaskRegistry::new(0);
         let t = reg.create("dump", 3);
-        let w = BlockWriter::new(BlockId([1; 16]), PathBuf::from("/x"), 3);
+        let w = writer(3);
         for i in [2, 0, 1] {
             assert!(matches!(w.claim(i, &t), Claim::Write));
         }
@@ -234,7 +246,7 @@ mod tests {
         let reg = TaskRegistry::new(0);
         let a = reg.create("dump", 2);
         let b = reg.create("dump", 1);
-        let w = BlockWriter::new(BlockId([1; 16]), PathBuf::from("/x"), 2);
+        let w = writer(2);
         assert!(matches!(w.claim(0, &a), Claim::Write));
         assert!(matches!(w.claim(0, &b), Claim::Joined));
         assert!(matches!(w.claim(1, &a), Claim::Write));

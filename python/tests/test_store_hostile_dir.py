@@ -1,0 +1,436 @@
+"""The store directory is hostile ground: whatever another user or process
+puts at the store's file names never redirects a write, serves foreign
+bytes, or hangs a load past ``timeout_ms``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from store_helpers import SHARD, SHARDS, base_config
+
+from ucm.store import (
+    BlockNotFoundError,
+    CorruptBlockError,
+    InvalidParamError,
+    UcmConnectorFactory,
+)
+
+
+def block(seed: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randint(0, 255, (SHARD // 2,), dtype=torch.uint8, generator=g) for _ in range(2)]
+        for _ in range(SHARDS)
+    ]
+
+
+def whole(bid: bytes) -> tuple[list[bytes], list[int]]:
+    return [bid] * SHARDS, list(range(SHARDS))
+
+
+def put(store, bid: bytes, seed: int) -> None:
+    store.wait(store.dump(*whole(bid), block(seed)))
+
+
+def empty() -> list[list[torch.Tensor]]:
+    return [[torch.zeros(SHARD // 2, dtype=torch.uint8) for _ in range(2)] for _ in range(SHARDS)]
+
+
+def same(a, b) -> bool:
+    return all(
+        torch.equal(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)
+    )
+
+
+def block_path(root: Path, bid: bytes) -> Path:
+    return root / bid.hex()[:2] / bid.hex()
+
+
+def run_child(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+
+
+PLANT_AND_DUMP = """
+    import os, sys, glob
+    from pathlib import Path
+    import torch
+    from store_helpers import SHARD, SHARDS, base_config
+    from ucm.store import UcmConnectorFactory
+
+    root, victim, spares = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    store = UcmConnectorFactory.create_connector(
+        "UcmPipelineStore", base_config(root, posix_spare_files=spares)
+    )
+    ids = [bytes([i]) * 16 for i in range(8)]
+    pid = os.getpid()
+    for bid in ids:
+        h = bid.hex()
+        for seq in range(8):
+            # Where older versions put a block's temporary file...
+            old = root / h[:2] / f"{h}.tmp.{pid}.1.{seq}"
+            if not old.exists():
+                old.symlink_to(victim)
+            # ...and where this version does (its work directory).
+            for work in glob.glob(str(root / ".work" / "*")):
+                new = Path(work) / f"{h}.{seq}"
+                if not new.exists():
+                    new.symlink_to(victim)
+    # Spare files replaced by symlinks to the victim.
+    for spare in glob.glob(str(root / ".work" / "*" / "spare.*")):
+        os.unlink(spare)
+        os.symlink(victim, spare)
+    data = torch.full((SHARDS, SHARD), 7, dtype=torch.uint8)
+    rows = [[data[s, : SHARD // 2], data[s, SHARD // 2 :]] for s in range(SHARDS)]
+    for bid in ids:
+        store.wait(store.dump([bid] * SHARDS, list(range(SHARDS)), rows))
+    out = torch.zeros_like(data)
+    for bid in ids:
+        rows_out = [[out[s, : SHARD // 2], out[s, SHARD // 2 :]] for s in range(SHARDS)]
+        store.wait(store.load([bid] * SHARDS, list(range(SHARDS)), rows_out))
+        assert torch.equal(out, data)
+    store.close()
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("spares", [0, 4])
+def test_planted_symlinks_at_temporary_paths_are_never_followed(
+    tmp_path: Path, spares: int
+) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    if spares:
+        # Let the pool fill before the symlinks replace its files.
+        UcmConnectorFactory.create_connector(
+            "UcmPipelineStore", base_config(root, posix_spare_files=spares)
+        ).close()
+    res = run_child(PLANT_AND_DUMP, str(root), str(victim), str(spares))
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert victim.read_bytes() == b"precious"
+
+
+def test_symlinks_at_block_paths_are_not_served(tmp_path: Path, make_store) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    elsewhere = make_store(other)
+    put(elsewhere, b"v" * 16, 1)  # a valid block, in another directory
+    root = tmp_path / "store"
+    store = make_store(root)
+    assert store.lookup([b"a" * 16]) == [False]  # creates nothing, but opens the dirs
+    valid = block_path(root, b"v" * 16)
+    valid.symlink_to(block_path(other, b"v" * 16))
+    passwd = block_path(root, b"p" * 16)
+    passwd.symlink_to("/etc/passwd")
+    for bid in (b"v" * 16, b"p" * 16):
+        assert store.lookup([bid]) == [False]
+        with pytest.raises(BlockNotFoundError):
+            store.wait(store.load(*whole(bid), empty()))
+    # A block in the index swapped for a symlink to a valid block elsewhere.
+    put(store, b"s" * 16, 2)
+    swapped = block_path(root, b"s" * 16)
+    swapped.unlink()
+    swapped.symlink_to(block_path(other, b"v" * 16))
+    with pytest.raises(CorruptBlockError, match="symbolic link"):
+        store.wait(store.load(*whole(b"s" * 16), empty()))
+    assert not swapped.is_symlink(), "the planted link stays"
+    assert store.lookup([b"s" * 16]) == [False]
+    # A new store's scan removes what it finds at block names (not targets).
+    make_store(root)
+    assert not valid.is_symlink() and not passwd.is_symlink()
+    assert Path("/etc/passwd").exists() and block_path(other, b"v" * 16).exists()
+
+
+FOREIGN_LOAD = """
+    import os, stat, sys, threading, time
+    from pathlib import Path
+    import torch
+    from store_helpers import SHARD, SHARDS, base_config
+    from ucm.store import UcmConnectorFactory, UcmStoreError
+
+    root, kind = Path(sys.argv[1]), sys.argv[2]
+    store = UcmConnectorFactory.create_connector(
+        "UcmPipelineStore", base_config(root, timeout_ms=2000)
+    )
+    data = torch.full((SHARDS, SHARD), 9, dtype=torch.uint8)
+    rows = lambda t: [[t[s, : SHARD // 2], t[s, SHARD // 2 :]] for s in range(SHARDS)]
+    ids = [bytes([i]) * 16 for i in range(1, 9)]
+    for bid in ids:
+        store.wait(store.dump([bid] * SHARDS, list(range(SHARDS)), rows(data)))
+    bad = ids[0]
+    path = root / bad.hex()[:2] / bad.hex()
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "device":
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    # Other loads go on while the bad one fails.
+    stop = threading.Event()
+    good = [0]
+    def others():
+        while not stop.is_set():
+            for bid in ids[1:]:
+                out = torch.zeros_like(data)
+                store.wait(store.load([bid] * SHARDS, list(range(SHARDS)), rows(out)))
+                assert torch.equal(out, data)
+                good[0] += 1
+    t = threading.Thread(target=others)
+    t.start()
+    start = time.monotonic()
+    try:
+        out = torch.zeros_like(data)
+        store.wait(store.load([bad] * SHARDS, list(range(SHARDS)), rows(out)))
+        print("loaded?!")
+        sys.exit(1)
+    except UcmStoreError as e:
+        took = time.monotonic() - start
+        print(f"error after {took:.2f}s: {e}")
+    time.sleep(0.2)
+    stop.set()
+    t.join()
+    assert took < 2.0, f"failed after {took:.2f}s, past timeout_ms"
+    assert good[0] > 0
+    store.close()
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_non_regular_files_at_block_paths_fail_within_the_timeout(
+    tmp_path: Path, kind: str
+) -> None:
+    if kind == "device" and os.geteuid() != 0:
+        pytest.skip("creating a device node needs root")
+    root = tmp_path / "store"
+    root.mkdir()
+    # A hang here is the bug: the child is killed and the test fails.
+    try:
+        res = run_child(FOREIGN_LOAD, str(root), kind, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a load of a {kind} at a block path hung")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "ok" in res.stdout and "not a block file" in res.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero"])
+def test_committed_block_damaged_after_wait_fails_to_load_and_is_removed(
+    make_store, tmp_path: Path, damage: str
+) -> None:
+    # What a power cut can do to a block published without syncing: its
+    # file cut short, or its pages never written (zeros).
+    store = make_store()
+    bid = b"d" * 16
+    put(store, bid, 3)
+    path = block_path(tmp_path / "store", bid)
+    if damage == "truncate":
+        os.truncate(path, path.stat().st_size // 2)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(4096 + 100)
+            f.write(b"\0" * 8192)
+    with pytest.raises(CorruptBlockError):
+        store.wait(store.load(*whole(bid), empty()))
+    assert not path.exists()
+    assert store.lookup([bid]) == [False]
+    put(store, bid, 3)  # the next dump rewrites it
+    out = empty()
+    store.wait(store.load(*whole(bid), out))
+    assert same(out, block(3))
+
+
+HOLD_OPEN = """
+    import sys
+    from pathlib import Path
+    from store_helpers import base_config
+    from ucm.store import UcmConnectorFactory
+
+    root = Path(sys.argv[1])
+    store = UcmConnectorFactory.create_connector(
+        "UcmPipelineStore", base_config(root, posix_spare_files=16)
+    )
+    print("open", flush=True)
+    sys.stdin.readline()  # until the parent says so
+    store.close()
+"""
+
+
+def _spares(root: Path) -> set[Path]:
+    return set((root / ".work").glob("*/spare.*"))
+
+
+def test_a_store_in_another_pid_namespace_keeps_its_spare_files(tmp_path: Path) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not installed")
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no PID namespaces here: {probe.stderr.decode().strip()}")
+    root = tmp_path / "store"
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    a = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLD_OPEN), str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert a.stdout is not None and a.stdin is not None
+        assert a.stdout.readline().strip() == "open"
+        deadline = time.monotonic() + 20
+        while len(_spares(root)) < 16 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        live = _spares(root)
+        assert len(live) == 16
+        # A second store on the same directory, in its own PID namespace
+        # (another container on the same volume): A's pid means nothing there.
+        b = subprocess.Popen(
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                sys.executable,
+                "-c",
+                textwrap.dedent(HOLD_OPEN),
+                str(root),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert b.stdout is not None and b.stdin is not None
+        assert b.stdout.readline().strip() == "open"
+        assert live <= _spares(root), "the live store's spare files were deleted"
+        b.stdin.write("\n")
+        b.stdin.flush()
+        assert b.wait(timeout=60) == 0
+        assert live <= _spares(root)
+    finally:
+        if a.stdin is not None:
+            a.stdin.write("\n")
+            a.stdin.flush()
+        a.wait(timeout=60)
+
+
+def test_directory_other_users_can_write_is_named(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    with caplog.at_level(logging.WARNING):
+        store = UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(root))
+    store.close()
+    assert any(
+        "writable by every user" in r.getMessage() and "posix_strict" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    with pytest.raises(InvalidParamError, match=r"posix_strict.*writable by every user"):
+        UcmConnectorFactory.create_connector(
+            "UcmPipelineStore", base_config(root, posix_strict=True)
+        )
+    root.chmod(0o700)
+    UcmConnectorFactory.create_connector(
+        "UcmPipelineStore", base_config(root, posix_strict=True)
+    ).close()
+
+
+def test_strict_refuses_block_files_of_other_users(tmp_path: Path, make_store) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    root = tmp_path / "store"
+    store = make_store(root, posix_strict=True)
+    put(store, b"o" * 16, 4)
+    os.chown(block_path(root, b"o" * 16), 12345, 12345)
+    with pytest.raises(CorruptBlockError, match="uid 12345"):
+        store.wait(store.load(*whole(b"o" * 16), empty()))
+
+
+def test_syncs_follow_durability(tmp_path: Path) -> None:
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    code = """
+        import sys
+        from pathlib import Path
+        import torch
+        from store_helpers import SHARD, SHARDS, base_config
+        from ucm.store import UcmConnectorFactory
+
+        root = Path(sys.argv[1]); root.mkdir(exist_ok=True)
+        store = UcmConnectorFactory.create_connector(
+            "UcmPipelineStore", base_config(root, durability=sys.argv[2], posix_spare_files=0)
+        )
+        data = torch.ones(SHARDS * SHARD, dtype=torch.uint8)
+        for i in range(5):
+            rows = [[data[s * SHARD : (s + 1) * SHARD]] for s in range(SHARDS)]
+            store.wait(store.dump([bytes([i]) * 16] * SHARDS, list(range(SHARDS)), rows))
+        store.close()
+    """
+    counts = {}
+    for mode in ("none", "data", "full"):
+        out = tmp_path / f"trace-{mode}"
+        res = subprocess.run(
+            [
+                strace,
+                "-f",
+                "-qq",
+                "-e",
+                "trace=fsync,fdatasync",
+                "-o",
+                str(out),
+                sys.executable,
+                "-c",
+                textwrap.dedent(code),
+                str(tmp_path / mode),
+                mode,
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        calls = [line for line in out.read_text().splitlines() if "sync(" in line]
+        counts[mode] = (
+            sum("fdatasync(" in c for c in calls),
+            sum("fsync(" in c and "fdatasync(" not in c for c in calls),
+        )
+    assert counts == {"none": (0, 0), "data": (5, 0), "full": (5, 5)}, counts
+
+
+def test_lookup_only_store_leaves_the_directory_alone(tmp_path: Path, make_store) -> None:
+    root = tmp_path / "store"
+    writer = make_store(root)
+    put(writer, b"w" * 16, 5)
+
+    def listing() -> list[Path]:
+        # The writer's own work directory changes as its spare pool fills.
+        return sorted(
+            p.relative_to(root) for p in root.rglob("*") if p.parent.parent.name != ".work"
+        )
+
+    before = listing()
+    reader = make_store(root, device_id=-1)
+    assert reader.lookup([b"w" * 16]) == [True]
+    assert listing() == before
+    mode = stat.S_IMODE((root / ".work").stat().st_mode)
+    assert mode == 0o700
