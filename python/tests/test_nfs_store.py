@@ -14,6 +14,7 @@ back), a slow server (timeouts honoured) and a missing export.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -121,6 +122,28 @@ def test_kernel_mounted_directory_mode(tmp_path: Path) -> None:
     store = open_store(None, nfs_config(str(tmp_path)))
     try:
         check_round_trip(store, tmp_path)
+    finally:
+        store.close()
+
+
+def test_kernel_mounted_directory_refuses_what_is_not_a_block_file(tmp_path: Path) -> None:
+    """The export is shared ground: a symlink or FIFO at a block's name is
+    neither followed nor waited on."""
+    store = open_store(None, nfs_config(str(tmp_path)))
+    try:
+        dump(store, [1, 2])
+        (tmp_path / "victim").write_bytes(block_file(tmp_path, 1).read_bytes())
+        for n, plant in ((3, "symlink"), (4, "fifo")):
+            path = block_file(tmp_path, n)
+            path.parent.mkdir(exist_ok=True)
+            if plant == "symlink":
+                path.symlink_to(tmp_path / "victim")
+            else:
+                os.mkfifo(path)
+            assert store.lookup([bid(n)]) == [False]
+            with pytest.raises(UcmStoreError):
+                load(store, [n])
+        assert np.array_equal(load(store, [2])[2], block_data(2))
     finally:
         store.close()
 

@@ -19,6 +19,7 @@ pub mod pipeline;
 pub mod posix;
 pub mod remote;
 pub mod s3;
+pub mod safe_fs;
 
 pub use cache::{CacheConfig, CacheStore};
 pub use empty::EmptyStore;

@@ -5,9 +5,9 @@
 //! file in the same directory.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::hash::BuildHasherDefault;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +21,7 @@ use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
 use crate::store::posix::index::IdHasher;
 use crate::store::s3::shared::Breaker;
+use crate::store::safe_fs;
 
 type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
 
@@ -402,16 +403,17 @@ impl LocalFs {
         Ok(())
     }
 
+    /// Opens a block file (a regular file, not followed) to read, or
+    /// creates a new temporary (never an existing file or a symlink's
+    /// target): the export is shared with other machines and users.
     fn open(&self, path: &std::path::Path, write: bool) -> std::io::Result<File> {
         let attempt = |direct: bool| {
-            let mut o = OpenOptions::new();
+            let flags = if direct { libc::O_DIRECT } else { 0 };
             if write {
-                o.write(true).create(true).truncate(true).mode(0o644);
+                safe_fs::create_new(path, 0o644, flags)
             } else {
-                o.read(true);
+                safe_fs::open_regular(path, flags)
             }
-            o.custom_flags(if direct { libc::O_DIRECT } else { 0 });
-            o.open(path)
         };
         match attempt(self.direct) {
             Err(e) if self.direct && e.raw_os_error() == Some(libc::EINVAL) => attempt(false),
@@ -422,15 +424,17 @@ impl LocalFs {
     async fn size_of(&self, id: &BlockId) -> Result<Option<u64>> {
         let dir = self.dir_path(id);
         let path = dir.join(id.hex());
-        blocking(move || match std::fs::metadata(&path) {
-            Ok(m) => Ok(Some(m.len())),
+        // Not followed: only a regular file at the name is a block.
+        let size = |m: std::fs::Metadata| m.file_type().is_file().then_some(m.len());
+        blocking(move || match std::fs::symlink_metadata(&path) {
+            Ok(m) => Ok(size(m)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 // The kernel client may answer from a cached negative
                 // lookup; opening the directory revalidates it
                 // (close-to-open), then ask again.
                 let _ = File::open(&dir);
-                match std::fs::metadata(&path) {
-                    Ok(m) => Ok(Some(m.len())),
+                match std::fs::symlink_metadata(&path) {
+                    Ok(m) => Ok(size(m)),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
                     Err(e) => Err(io_err("stat", &path, e)),
                 }

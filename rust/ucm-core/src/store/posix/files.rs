@@ -32,13 +32,15 @@
 use std::ffi::CString;
 use std::fs::{File, Metadata, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::block::{BlockId, MemSeg};
 use crate::error::{Result, UcmError};
 use crate::io::DIRECT_ALIGN;
+use crate::store::safe_fs::open_nofollow;
+pub use crate::store::safe_fs::{euid, kind_of, remove_entry};
 
 /// Directory under each root holding the stores' work directories.
 pub const WORK_DIR: &str = ".work";
@@ -196,46 +198,6 @@ pub fn make_private_dir(dir: &Path) -> Result<()> {
     }
 }
 
-/// What a non-regular file is, for messages.
-pub fn kind_of(meta: &Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_symlink() {
-        "a symbolic link"
-    } else if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_char_device() {
-        "a character device"
-    } else if t.is_block_device() {
-        "a block device"
-    } else if t.is_socket() {
-        "a socket"
-    } else {
-        "a regular file"
-    }
-}
-
-/// Removes whatever sits at `path` without following it (a symlink is
-/// removed, not its target); a directory only if it is empty.
-pub fn remove_entry(path: &Path) {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => {
-            let _ = std::fs::remove_dir(path);
-        }
-        Ok(_) => {
-            let _ = std::fs::remove_file(path);
-        }
-        Err(_) => {}
-    }
-}
-
-/// The effective uid of this process.
-pub fn euid() -> u32 {
-    // SAFETY: geteuid has no failure modes and no arguments.
-    unsafe { libc::geteuid() }
-}
-
 /// Opens block files, with O_DIRECT when asked and supported.
 pub struct Opener {
     direct: AtomicBool,
@@ -261,14 +223,12 @@ impl Opener {
         }
     }
 
-    /// Opens with `opts` plus O_DIRECT when in effect, falling back to
-    /// buffered I/O once for all when the file system refuses O_DIRECT.
-    fn open(&self, path: &Path, opts: &OpenOptions, flags: i32) -> std::io::Result<OpenFile> {
-        let attempt = |direct: bool| {
-            let mut o = opts.clone();
-            o.custom_flags(flags | libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 });
-            o.open(path)
-        };
+    /// Opens with `opts` (never following a symlink, never blocking in
+    /// `open`) plus O_DIRECT when in effect, falling back to buffered I/O
+    /// once for all when the file system refuses O_DIRECT.
+    fn open(&self, path: &Path, opts: &OpenOptions) -> std::io::Result<OpenFile> {
+        let attempt =
+            |direct: bool| open_nofollow(path, opts, if direct { libc::O_DIRECT } else { 0 });
         let direct = self.direct.load(Ordering::Relaxed);
         match attempt(direct) {
             Ok(file) => Ok(OpenFile { file, direct }),
@@ -300,21 +260,16 @@ impl Opener {
         self.check_block(path, &meta, len)?;
         let mut opts = OpenOptions::new();
         opts.read(true);
-        let open = self
-            .open(path, &opts, libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::ELOOP) => foreign(path, "a symbolic link"),
-                _ => UcmError::os("open", path, e),
-            })?;
+        let open = self.open(path, &opts).map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => foreign(path, "a symbolic link"),
+            _ => UcmError::os("open", path, e),
+        })?;
         // Swapped between the lstat and the open?
         let meta = open
             .file
             .metadata()
             .map_err(|e| UcmError::os("fstat", path, e))?;
         self.check_block(path, &meta, len)?;
-        // Regular files ignore O_NONBLOCK for reads, but io_uring would
-        // not punt a read that must wait for the disk; clear it.
-        set_blocking(&open.file).map_err(|e| UcmError::os("fcntl", path, e))?;
         Ok(open)
     }
 
@@ -354,7 +309,7 @@ impl Opener {
     pub fn create(&self, path: &Path) -> Result<OpenFile> {
         let mut opts = OpenOptions::new();
         opts.write(true).create_new(true).mode(0o600);
-        self.open(path, &opts, libc::O_NOFOLLOW)
+        self.open(path, &opts)
             .map_err(|e| UcmError::os("create", path, e))
     }
 
@@ -364,9 +319,7 @@ impl Opener {
     pub fn reuse(&self, path: &Path, len: u64) -> Option<OpenFile> {
         let mut opts = OpenOptions::new();
         opts.write(true);
-        let open = self
-            .open(path, &opts, libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .ok()?;
+        let open = self.open(path, &opts).ok()?;
         let meta = open.file.metadata().ok()?;
         let ours = meta.file_type().is_file()
             && meta.uid() == euid()
@@ -382,7 +335,6 @@ impl Opener {
             );
             return None;
         }
-        set_blocking(&open.file).ok()?;
         Some(open)
     }
 }
@@ -392,18 +344,6 @@ fn foreign(path: &Path, what: &str) -> UcmError {
         "{} is {what}, not a block file this store reads",
         path.display()
     ))
-}
-
-fn set_blocking(file: &File) -> std::io::Result<()> {
-    let fd = file.as_raw_fd();
-    // SAFETY: plain fcntl calls on a descriptor `file` owns.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
 }
 
 /// Takes an exclusive `flock` on `file` without waiting: true when taken.
