@@ -190,3 +190,95 @@ def test_second_process_sees_blocks_without_restart(tmp_path: Path) -> None:
     assert scheduler.lookup_on_prefix([bid, b"\x08" * 16]) == 0
     scheduler.close()
     worker.close()
+
+
+CYCLER = textwrap.dedent(
+    """
+    import random, sys
+    import torch
+    from ucm.store import UcmConnectorFactory
+
+    root, seed, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    SHARD, SHARDS = 65536, 4
+    store = UcmConnectorFactory.create_connector("UcmPipelineStore", {
+        "store_pipeline": "Cache|Posix", "storage_backends": root,
+        "block_size": SHARD * SHARDS, "shard_size": SHARD, "tensor_size_list": [SHARD],
+        # Both tiers hold a fraction of the 96 blocks the three processes
+        # cycle through, so blocks keep leaving both of them.
+        "cache_buffer_capacity_gb": 4 / 1024, "posix_capacity_gb": 8 / 1024,
+        "posix_spare_files": 4, "write_back_interval": 0.01,
+    })
+    rng = random.Random(seed)
+    for c in range(n):
+        i = rng.randrange(96)
+        bid = i.to_bytes(16, "little")
+        data = torch.full((SHARDS, SHARD), i % 251, dtype=torch.uint8)
+        store.wait(store.dump([bid] * SHARDS, list(range(SHARDS)), [[r] for r in data]))
+        out = torch.zeros_like(data)
+        store.wait(store.load([bid] * SHARDS, list(range(SHARDS)), [[r] for r in out]))
+        assert torch.equal(out, data), f"cycle {c}: wrong bytes"
+    store.close()
+    print("ok")
+    """
+)
+
+
+def test_cache_posix_reads_its_writes_under_three_processes(tmp_path: Path) -> None:
+    """A dump that wait() acknowledged is loadable by the same store right
+    after, while two other stores on the same directory evict and dump the
+    same blocks (content-addressed ids shared by all three)."""
+    root = tmp_path / "store"
+    root.mkdir()
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CYCLER, str(root), str(seed), "3000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2, 3)
+    ]
+    for child in children:
+        out, err = child.communicate(timeout=900)
+        assert child.returncode == 0 and "ok" in out, err[-3000:]
+
+
+def test_dump_of_a_block_another_store_evicted_writes_it_again(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    store = UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(root))
+    try:
+        bid = b"e" * 16
+        data = [content(bid, s) for s in range(SHARDS)]
+        store.wait(store.dump([bid] * SHARDS, list(range(SHARDS)), rows(data)))
+        path = root / bid.hex()[:2] / bid.hex()
+        path.unlink()  # what another store's evictor does
+        store.wait(store.dump([bid] * SHARDS, list(range(SHARDS)), rows(data)))
+        got = load_block(store, bid)
+        for s in range(SHARDS):
+            assert np.array_equal(got[s], content(bid, s))
+    finally:
+        store.close()
+
+
+def test_cache_redump_of_a_clean_block_reaches_the_backend_again(tmp_path: Path) -> None:
+    """The cache holds a clean copy whose backend file another store
+    evicted: a new dump of the block must put it back in the backend, or
+    it is lost as soon as the cache drops its copy."""
+    root = tmp_path / "store"
+    root.mkdir()
+    store = UcmConnectorFactory.create_connector(
+        "UcmPipelineStore", base_config(root, store_pipeline="Cache|Posix")
+    )
+    try:
+        bid = b"c" * 16
+        data = [content(bid, s) for s in range(SHARDS)]
+        store.wait(store.dump([bid] * SHARDS, list(range(SHARDS)), rows(data)))
+        store.flush()
+        path = root / bid.hex()[:2] / bid.hex()
+        path.unlink()
+        store.wait(store.dump([bid] * SHARDS, list(range(SHARDS)), rows(data)))
+        store.flush()
+        assert path.exists()
+    finally:
+        store.close()

@@ -681,6 +681,7 @@ impl Inner {
         let sync = self.cfg.write_back_policy == WriteBackPolicy::Sync;
         let mut plans = Vec::with_capacity(n);
         let mut wanted = Vec::new();
+        let mut redirty = Vec::new();
         let mut evictions = 0;
         let mut it = shards.into_iter().peekable();
         while it.peek().is_some() {
@@ -698,9 +699,19 @@ impl Inner {
                     Some(slot) => {
                         let m = g.meta(slot);
                         // Content-addressed: a ready copy holds these bytes.
-                        // A sync dump must not return before the backend has
-                        // them, and a shard being filled may yet fail.
-                        if m.state == READY && !(sync && m.dirty != 0) {
+                        // A dirty one is on its way to the backend. A clean
+                        // one was written back, but the backend may have
+                        // evicted it since, and this dump must be loadable
+                        // after the cache drops its copy: write it back
+                        // again (a backend that still has it only notes the
+                        // dump). A sync dump must not return before the
+                        // backend has it, and a shard being filled may yet
+                        // fail.
+                        if m.state == READY && !sync {
+                            if m.dirty == 0 {
+                                g.mark_dirty(slot);
+                                redirty.push((s.block, shard, slot));
+                            }
                             plans.push(DumpPlan::Cached);
                         } else {
                             plans.push(DumpPlan::Bypass(s));
@@ -719,6 +730,7 @@ impl Inner {
             }
         }
         add(&self.c.evictions, evictions);
+        self.wb.add(&redirty, false);
         self.lazy_want(wanted);
         let (mut stage, mut bypass) = (vec![], vec![]);
         for p in plans {

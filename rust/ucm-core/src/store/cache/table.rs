@@ -818,6 +818,15 @@ impl Guard<'_> {
         }
     }
 
+    /// The slot's bytes must reach the backend (again): a dump of a block
+    /// the cache holds clean, which the backend may have dropped since.
+    pub fn mark_dirty(&mut self, slot: u32) {
+        let me = self.me;
+        let m = &mut self.meta[slot as usize];
+        m.dirty = 1;
+        m.owner = me;
+    }
+
     /// The slot's bytes reached the backend.
     pub fn mark_clean(&mut self, slot: u32) {
         let m = &mut self.meta[slot as usize];

@@ -13,7 +13,7 @@ use super::config::Durability;
 use super::files::{make_private_dir, remove_entry, OpenFile};
 use super::layout::{checksum_segs, HEADER_LEN};
 use super::writer::{self, BlockWriter, Claim};
-use super::{evict, Shared};
+use super::{evict, scan, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::{IoEngine, IoOp, IoRequest};
@@ -58,7 +58,7 @@ impl Shared {
                     return Ok(Some(w.clone()));
                 }
             }
-            if self.index.contains(block) {
+            if self.index.contains(block) && self.dumped_again(block) {
                 return Ok(None);
             }
             writers.len()
@@ -72,7 +72,7 @@ impl Shared {
             .get(block)
             .filter(|w| w.failure().is_none())
             .cloned();
-        if existing.is_some() || self.index.contains(block) {
+        if existing.is_some() || (self.index.contains(block) && self.dumped_again(block)) {
             let TempFile { path, file, spare } = temp;
             drop(file);
             if spare {
@@ -94,6 +94,35 @@ impl Shared {
         ));
         writers.insert(*block, w.clone());
         Ok(Some(w))
+    }
+
+    /// A dump of a block already published: its bytes are there already
+    /// (content addressing), but its file's mtime is set to now, which is
+    /// what tells every store sharing the directory that it was just
+    /// dumped (see `evict`), and its recency here is refreshed. False when
+    /// the file is gone (another store evicted it): the dump must write it.
+    fn dumped_again(&self, block: &BlockId) -> bool {
+        let path = self.paths.block(block);
+        let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+            return false;
+        };
+        // SAFETY: `c` is a valid NUL-terminated path; a null `times` means
+        // "now" for both timestamps.
+        let rc = unsafe {
+            libc::utimensat(
+                libc::AT_FDCWD,
+                c.as_ptr(),
+                std::ptr::null(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if rc != 0 {
+            self.index.remove(block);
+            return false;
+        }
+        let now = scan::nanos(std::time::SystemTime::now());
+        self.index.insert(*block, self.layout.file_len(), None, now);
+        true
     }
 
     /// An open file to assemble `block` in: a checked spare when the pool
@@ -397,8 +426,16 @@ impl Shared {
                 })?;
             }
         }
+        // The file's mtime as this store knows it: a later one means another
+        // store sharing the directory dumped the block since (see evict).
+        let mtime = writer
+            .file
+            .file
+            .metadata()
+            .and_then(|m| m.modified())
+            .map_or(0, scan::nanos);
         self.index
-            .insert(writer.block, self.layout.file_len(), None);
+            .insert(writer.block, self.layout.file_len(), None, mtime);
         self.counters
             .blocks_committed
             .fetch_add(1, Ordering::Relaxed);

@@ -104,15 +104,32 @@ pub(super) fn recycle_coldest(shared: &Shared, root: usize, count: usize) -> usi
     evicted
 }
 
-/// Removes `id` unless a load pinned it, and recycles or deletes its file.
+/// How long a block that another store sharing the directory dumped is
+/// kept by this store's evictor, however cold it looks here: the other
+/// store's `wait()` returned, and its next load must find the block.
+pub(super) const RECENT_DUMP_GRACE: Duration = Duration::from_secs(10);
+
+/// Removes `id` unless a load pinned it or another store dumped it within
+/// [`RECENT_DUMP_GRACE`], and recycles or deletes its file.
 fn evict_one(shared: &Shared, id: &super::BlockId) -> bool {
+    let path = shared.paths.block(id);
+    let len = shared.layout.file_len();
+    if let (Some(known), Some(mtime)) =
+        (shared.index.known_mtime(id), super::scan::probe(&path, len))
+    {
+        let now = super::scan::nanos(std::time::SystemTime::now());
+        if mtime > known && now.saturating_sub(mtime) < RECENT_DUMP_GRACE.as_nanos() as u64 {
+            // Dumped elsewhere since we last saw it: as recent as it gets.
+            shared.index.insert(*id, len, None, mtime);
+            return false;
+        }
+    }
     if shared.index.remove_if_unpinned(id).is_none() {
         return false;
     }
     // Counted with each removal, so stats never show a block gone from the
     // index but not yet counted as evicted.
     shared.counters.evictions.fetch_add(1, Ordering::Relaxed);
-    let path = shared.paths.block(id);
     if shared.spares.recycle(shared.paths.root_index(id), &path) {
         shared
             .counters

@@ -40,6 +40,10 @@ struct Entry {
     size: u64,
     last_use: AtomicU64,
     pins: AtomicU32,
+    /// The file's mtime (ns since the epoch) when this store last wrote or
+    /// saw it: a later mtime means another store sharing the directory
+    /// wrote (or dumped) the block since.
+    mtime: AtomicU64,
 }
 
 /// Committed blocks of one store.
@@ -85,13 +89,17 @@ impl Index {
         self.map.read().contains_key(block)
     }
 
-    /// Adds (or refreshes) a committed block. `recency` orders blocks found
-    /// by a restart scan; `None` stamps it as the most recent.
-    pub fn insert(&self, block: BlockId, size: u64, recency: Option<u64>) {
+    /// Adds (or refreshes) a committed block whose file has mtime `mtime`
+    /// (ns since the epoch). `recency` orders blocks found by a restart
+    /// scan; `None` stamps it as the most recent.
+    pub fn insert(&self, block: BlockId, size: u64, recency: Option<u64>, mtime: u64) {
         let stamp = recency.unwrap_or_else(|| self.tick());
         let mut map = self.map.write();
         match map.get(&block) {
-            Some(e) => e.last_use.store(stamp, Ordering::Relaxed),
+            Some(e) => {
+                e.last_use.store(stamp, Ordering::Relaxed);
+                e.mtime.fetch_max(mtime, Ordering::Relaxed);
+            }
             None => {
                 map.insert(
                     block,
@@ -99,11 +107,20 @@ impl Index {
                         size,
                         last_use: AtomicU64::new(stamp),
                         pins: AtomicU32::new(0),
+                        mtime: AtomicU64::new(mtime),
                     },
                 );
                 self.used.fetch_add(size, Ordering::AcqRel);
             }
         }
+    }
+
+    /// The file mtime this store last knew for `block`.
+    pub fn known_mtime(&self, block: &BlockId) -> Option<u64> {
+        self.map
+            .read()
+            .get(block)
+            .map(|e| e.mtime.load(Ordering::Relaxed))
     }
 
     /// Advances the clock past `stamp` (after a restart scan assigned stamps).
@@ -191,7 +208,7 @@ mod tests {
     fn lru_order_and_pins() {
         let idx = Arc::new(Index::default());
         for n in 0..4 {
-            idx.insert(id(n), 10, None);
+            idx.insert(id(n), 10, None, 0);
         }
         assert_eq!(idx.used_bytes(), 40);
         assert!(idx.touch(&id(0))); // 0 becomes most recent
@@ -204,7 +221,8 @@ mod tests {
         assert_eq!(idx.used_bytes(), 30);
         assert!(!idx.contains(&id(1)));
         // re-insert of a present block doesn't double count
-        idx.insert(id(2), 10, None);
+        idx.insert(id(2), 10, None, 7);
         assert_eq!(idx.used_bytes(), 30);
+        assert_eq!(idx.known_mtime(&id(2)), Some(7));
     }
 }

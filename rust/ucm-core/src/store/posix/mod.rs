@@ -382,8 +382,8 @@ impl Shared {
             return true;
         }
         // Written by another process sharing the directory?
-        if scan::probe(&self.paths.block(id), self.layout.file_len()) {
-            self.index.insert(*id, self.layout.file_len(), None);
+        if let Some(mtime) = scan::probe(&self.paths.block(id), self.layout.file_len()) {
+            self.index.insert(*id, self.layout.file_len(), None, mtime);
             return true;
         }
         // Fully written, being committed by another thread right now?

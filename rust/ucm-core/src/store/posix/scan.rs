@@ -36,6 +36,7 @@ pub struct ScanReport {
 pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanReport {
     let mut report = ScanReport::default();
     let mut found: Vec<(SystemTime, BlockId, u64)> = Vec::new();
+    // (mtime, id, size): recency follows the mtime order.
     for root in paths.roots() {
         let Ok(subdirs) = std::fs::read_dir(root) else {
             continue;
@@ -99,7 +100,7 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanRep
     }
     found.sort_unstable_by_key(|(t, _, _)| *t);
     for (stamp, (_, id, len)) in found.iter().enumerate() {
-        index.insert(*id, *len, Some(stamp as u64 + 1));
+        index.insert(*id, *len, Some(stamp as u64 + 1), nanos(found[stamp].0));
         report.bytes += len;
     }
     index.advance_clock(found.len() as u64 + 1);
@@ -135,10 +136,18 @@ fn is_stale_legacy(meta: &std::fs::Metadata) -> bool {
         .is_some_and(|age| age >= LEGACY_TMP_MAX_AGE)
 }
 
-/// True if a published, complete block file exists at `path` (a regular
-/// file, not a symlink to one).
-pub fn probe(path: &Path, file_len: u64) -> bool {
-    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file() && m.len() == file_len)
+/// The mtime (ns since the epoch) of a published, complete block file at
+/// `path` (a regular file, not a symlink to one), or None.
+pub fn probe(path: &Path, file_len: u64) -> Option<u64> {
+    let m = std::fs::symlink_metadata(path).ok()?;
+    (m.file_type().is_file() && m.len() == file_len)
+        .then(|| nanos(m.modified().unwrap_or(SystemTime::UNIX_EPOCH)))
+}
+
+/// `t` in ns since the epoch (0 before it).
+pub fn nanos(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 #[cfg(test)]
@@ -184,8 +193,8 @@ mod tests {
         assert!(index.contains(&a) && !index.contains(&b) && !index.contains(&c));
         assert!(!old.exists() && fresh.exists());
         assert!(paths.block(&a).exists(), "the symlink went, not its target");
-        assert!(probe(&paths.block(&a), 100) && !probe(&paths.block(&b), 100));
+        assert!(probe(&paths.block(&a), 100).is_some() && probe(&paths.block(&b), 100).is_none());
         std::os::unix::fs::symlink(paths.block(&a), paths.block(&c)).unwrap();
-        assert!(!probe(&paths.block(&c), 100));
+        assert!(probe(&paths.block(&c), 100).is_none());
     }
 }
