@@ -35,7 +35,6 @@ from ucm.store import (
     UcmKVStoreBase,
     UcmStoreError,
 )
-from ucm.store.remote_config import S3StoreConfig
 
 
 @pytest.fixture(scope="module")
@@ -279,11 +278,14 @@ def test_credentials_checked_at_start_and_never_logged(
         open_store(good)
     for secret in (moto_auth.secret_key, wrong_secret):
         assert secret not in caplog.text
-    cfg = S3StoreConfig(
-        storage_backends="s3://kvb/x",
-        block_size=SHARD,
-        s3_access_key="AKIA-visible?",
-        s3_secret_key="never-shown",
+    cfg = PipelineStoreConfig.from_dict(
+        {
+            "store_pipeline": "S3",
+            "storage_backends": "s3://kvb/x",
+            "block_size": SHARD,
+            "s3_access_key": "AKIA-visible?",
+            "s3_secret_key": "never-shown",
+        }
     )
     assert "never-shown" not in repr(cfg) and "AKIA-visible?" not in repr(cfg)
 

@@ -434,3 +434,66 @@ def test_lookup_only_store_leaves_the_directory_alone(tmp_path: Path, make_store
     assert listing() == before
     mode = stat.S_IMODE((root / ".work").stat().st_mode)
     assert mode == 0o700
+
+
+def test_lookup_of_many_missing_ids_lists_directories_instead_of_stat_per_id(
+    tmp_path: Path,
+) -> None:
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    code = """
+        import os, sys
+        from pathlib import Path
+        from store_helpers import base_config
+        from ucm.store import UcmConnectorFactory
+
+        root = Path(sys.argv[1]); root.mkdir(exist_ok=True)
+        store = UcmConnectorFactory.create_connector(
+            "UcmPipelineStore", base_config(root, posix_spare_files=0)
+        )
+        ids = [os.urandom(16) for _ in range(200_000)]
+        present = bytes([7]) * 16
+        ids[1234] = present
+        # Published by another process: found although not in the index.
+        other = UcmConnectorFactory.create_connector(
+            "UcmPipelineStore", base_config(root, posix_spare_files=0)
+        )
+        import torch
+        from store_helpers import SHARD, SHARDS
+        data = torch.zeros(SHARDS * SHARD, dtype=torch.uint8)
+        rows = [[data[s * SHARD : (s + 1) * SHARD]] for s in range(SHARDS)]
+        other.wait(other.dump([present] * SHARDS, list(range(SHARDS)), rows))
+        found = store.lookup(ids)
+        assert found[1234] and sum(found) == 1, sum(found)
+        print("ok")
+    """
+    out = tmp_path / "trace"
+    res = subprocess.run(
+        [
+            strace,
+            "-f",
+            "-qq",
+            "-e",
+            "trace=statx,newfstatat,lstat,stat,getdents64",
+            "-o",
+            str(out),
+            sys.executable,
+            "-c",
+            textwrap.dedent(code),
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+        timeout=600,
+    )
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    block_dirs = [
+        line
+        for line in out.read_text().splitlines()
+        if "/store/" in line and "site-packages" not in line
+    ]
+    stats = [line for line in block_dirs if "getdents64" not in line]
+    # 200,000 misses over 256 directories: listed, not probed one by one.
+    assert len(stats) < 5000, f"{len(stats)} stat calls under the store"

@@ -10,6 +10,7 @@ otherwise.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -81,14 +82,22 @@ def _convert(key: str, value: Any, tp: Any, source: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} ({source}): expected a number, got the boolean {value!r}")
+        number: float | None = None
         if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise ConfigError(f"{key} ({source}): expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key} ({source}): expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} ({source}): expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -96,6 +105,22 @@ def _convert(key: str, value: Any, tp: Any, source: str) -> Any:
             return str(value)
         raise ConfigError(f"{key} ({source}): expected a string, got {type(value).__name__}")
     raise ConfigError(f"{key} ({source}): unsupported config type {tp!r}")
+
+
+def ranged(default: Any, lo: float, hi: float) -> Any:
+    """A dataclass field whose value must lie in ``lo..=hi``, checked by
+    :func:`build_dataclass` (the range is declared with the key)."""
+    return dataclasses.field(default=default, metadata={"range": (lo, hi)})
+
+
+def _check_range(cls: type, key: str, value: Any, source: str) -> None:
+    f = next((f for f in dataclasses.fields(cls) if f.name == key), None)
+    bounds = f.metadata.get("range") if f is not None else None
+    if bounds is None or value is None or isinstance(value, bool):
+        return
+    lo, hi = bounds
+    if not lo <= value <= hi:
+        raise ConfigError(f"{key} ({source}): {value!r} is out of range {lo}..={hi}")
 
 
 def field_names(cls: type) -> list[str]:
@@ -119,6 +144,8 @@ def build_dataclass(
             f"unknown config key {unknown[0]!r} ({source}); valid keys: {', '.join(sorted(names))}"
         )
     kwargs = {k: _convert(k, v, hints[k], source) for k, v in values.items() if k in names}
+    for k, v in kwargs.items():
+        _check_range(cls, k, v, source)
     missing = [
         f.name
         for f in dataclasses.fields(cls)
@@ -131,8 +158,36 @@ def build_dataclass(
     return cls(**kwargs)
 
 
+def _strict_loader() -> type:
+    """A safe YAML loader that refuses a key given twice in one mapping
+    (PyYAML keeps the last one silently, hiding the typo or the stale line)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given more than once (lines {seen[key]} and {line})",
+                    key_node.start_mark,
+                )
+            seen[key] = line
+        return loader.construct_mapping(node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return StrictLoader
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Reads a YAML mapping, with errors that name the file."""
+    """Reads a YAML mapping, with errors that name the file. A key given
+    twice in one mapping is an error."""
     import yaml
 
     p = Path(path)
@@ -141,7 +196,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config file {p}: {e}") from e
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_strict_loader()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
     if not isinstance(data, dict):

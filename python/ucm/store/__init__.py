@@ -8,11 +8,7 @@
 """
 
 from ucm.store.base import Task, UcmKVStoreBase
-from ucm.store.config import (
-    EmptyStoreConfig,
-    PipelineStoreConfig,
-    PosixStoreConfig,
-)
+from ucm.store.config import PipelineStoreConfig, StageConfig
 from ucm.store.errors import (
     BlockNotFoundError,
     CorruptBlockError,
@@ -31,13 +27,12 @@ from ucm.store.memory import Regions
 __all__ = [
     "BlockNotFoundError",
     "CorruptBlockError",
-    "EmptyStoreConfig",
     "InvalidParamError",
     "NoSpaceError",
     "OsApiError",
     "PipelineStoreConfig",
-    "PosixStoreConfig",
     "Regions",
+    "StageConfig",
     "StoreClosedError",
     "StoreTimeoutError",
     "Task",

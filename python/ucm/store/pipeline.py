@@ -21,70 +21,15 @@ import numpy as np
 
 from ucm import _native
 from ucm.store.base import Task, UcmKVStoreBase
-from ucm.store.config import (
-    GIB,
-    CacheStoreConfig,
-    EmptyStoreConfig,
-    PipelineStoreConfig,
-    PosixStoreConfig,
-)
+from ucm.store.config import PipelineStoreConfig, StageConfig, stage_schemas
 from ucm.store.errors import InvalidParamError
 from ucm.store.memory import Regions, as_addr_matrix, pack_tensors
-from ucm.store.remote_config import (
-    REMOTE_STAGE_CONFIGS,
-    NfsStoreConfig,
-    S3StoreConfig,
-    open_remote_store,
-)
 
 
-def _open_native(name: str, cfg: Any) -> _native.NativeStore:
-    if isinstance(cfg, PosixStoreConfig):
-        return _native.NativeStore.posix(
-            storage_backends=list(cfg.storage_backends),
-            block_size=cfg.block_size,
-            shard_size=cfg.shard_size,
-            tensor_size_list=list(cfg.tensor_size_list or []),
-            io_direct=cfg.io_direct,
-            io_engine=cfg.io_engine,
-            io_threads=cfg.io_threads,
-            timeout_ms=cfg.timeout_ms,
-            capacity_bytes=int(cfg.posix_capacity_gb * GIB),
-            device_id=cfg.device_id,
-            spare_files=cfg.posix_spare_files,
-            durability=cfg.durability,
-            strict=cfg.posix_strict,
-        )
-    if isinstance(cfg, EmptyStoreConfig):
-        return _native.NativeStore.empty(timeout_ms=cfg.timeout_ms)
-    if isinstance(cfg, S3StoreConfig | NfsStoreConfig):
-        return open_remote_store(cfg)
-    raise InvalidParamError(f"store_pipeline: stage {name!r} has no native implementation")
-
-
-def _open_cache(cfg: CacheStoreConfig, backend: Any) -> _native.NativeStore:
-    device_memory = {None: "auto", True: "true", False: "false"}[cfg.device_memory]
-    return _native.NativeStore.cache(
-        backend,
-        block_size=cfg.block_size,
-        shard_size=cfg.shard_size,
-        tensor_size_list=list(cfg.tensor_size_list or []),
-        capacity_bytes=cfg.capacity_bytes,
-        eviction_policy=cfg.eviction_policy,
-        fill_policy=cfg.fill_policy,
-        write_back_policy=cfg.write_back_policy,
-        write_back_batch_size=cfg.write_back_batch_size,
-        write_back_interval_ms=round(cfg.write_back_interval * 1000),
-        write_back_max_backoff_ms=max(1, round(cfg.write_back_max_backoff * 1000)),
-        device_id=cfg.device_id,
-        device_memory=device_memory,
-        cache_stream_number=cfg.cache_stream_number,
-        copy_threads=cfg.cache_copy_threads,
-        backend_threads=cfg.cache_backend_threads,
-        share_buffer_enable=cfg.share_buffer_enable,
-        unique_id=cfg.unique_id,
-        timeout_ms=cfg.timeout_ms,
-    )
+def _open_stage(cfg: StageConfig, backend: Any = None) -> _native.NativeStore:
+    """Opens a built-in stage (a ``Cache`` over ``backend``) in the core,
+    which checks the keys again as it builds the store."""
+    return _native.NativeStore.open_stage(cfg.name, dict(cfg.values), backend)
 
 
 def _check_geometry(stages: list[tuple[str, Any]]) -> None:
@@ -121,8 +66,8 @@ class UcmPipelineStore(UcmKVStoreBase):
         stages = config.stages
         _check_geometry(stages)
         bottom_name, bottom_cfg = stages[-1]
-        if bottom_name in ("Posix", "Empty", *REMOTE_STAGE_CONFIGS):
-            native: Any = _open_native(bottom_name, bottom_cfg)
+        if bottom_name in stage_schemas():
+            native: Any = _open_stage(bottom_cfg)
         else:
             if len(stages) == 1:
                 raise InvalidParamError(
@@ -135,7 +80,7 @@ class UcmPipelineStore(UcmKVStoreBase):
             native = UcmConnectorFactory.create_connector(bottom_name, bottom_cfg)
         try:
             for _name, cfg in reversed(stages[:-1]):
-                native = _open_cache(cfg, native)
+                native = _open_stage(cfg, native)
         except BaseException:
             native.close()
             raise

@@ -19,9 +19,17 @@ pub enum UcmError {
     /// A task failed; the message names the first failing shard.
     #[error("task failed: {0}")]
     TaskFailed(String),
-    /// A caller-supplied argument or config value is invalid.
+    /// A caller-supplied argument is invalid.
     #[error("invalid parameter: {0}")]
     InvalidParam(String),
+    /// A config value is unknown, of the wrong type or out of range.
+    #[error("{key}: {reason}")]
+    Config {
+        /// The key.
+        key: String,
+        /// What is wrong with its value.
+        reason: String,
+    },
     /// An allocation failed.
     #[error("out of memory: {0}")]
     OutOfMemory(String),
@@ -63,7 +71,7 @@ impl UcmError {
     pub fn code(&self) -> i32 {
         match self {
             UcmError::TaskFailed(_) => -1,
-            UcmError::InvalidParam(_) => -50000,
+            UcmError::InvalidParam(_) | UcmError::Config { .. } => -50000,
             UcmError::OutOfMemory(_) => -50001,
             UcmError::Os { .. } => -50002,
             UcmError::DuplicateKey(_) => -50003,

@@ -5,6 +5,7 @@
 //! ([`store`]). The PyO3 crate `ucm-py` is a thin layer on top of this one.
 
 pub mod block;
+pub mod config;
 pub mod error;
 pub mod hashing;
 pub mod io;

@@ -25,8 +25,20 @@ fn factory(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
         .map(|f| f.bind(py))
 }
 
-/// Converts a core error into the matching `ucm.errors` exception.
+/// Converts a core error into the matching `ucm.errors` exception; a
+/// config error becomes `ucm.shared.config.ConfigError` with `.key` and
+/// `.reason` set, so the caller can add where the value came from.
 pub fn to_py(err: UcmError) -> PyErr {
+    if let UcmError::Config { key, reason } = &err {
+        let made = Python::attach(|py| -> PyResult<PyErr> {
+            let cls = py.import("ucm.shared.config")?.getattr("ConfigError")?;
+            let exc = cls.call1((err.to_string(),))?;
+            exc.setattr("key", key)?;
+            exc.setattr("reason", reason)?;
+            Ok(PyErr::from_value(exc))
+        });
+        return made.unwrap_or_else(|e| e);
+    }
     let code = err.code();
     let msg = err.to_string();
     Python::attach(|py| match factory(py) {

@@ -7,10 +7,10 @@
 use pyo3::prelude::*;
 
 mod bench;
+mod config;
 mod errors;
 mod hashing;
 mod py_stage;
-mod remote;
 mod store;
 
 #[pymodule]
@@ -24,6 +24,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     hashing::register(m)?;
     store::register(m)?;
-    remote::register(m)?;
+    config::register(m)?;
     Ok(())
 }

@@ -14,7 +14,6 @@
 //! collector happens to run on for up to `timeout_ms`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -23,14 +22,15 @@ use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
-use ucm_core::io::IoEngineKind;
-use ucm_core::store::cache::{CacheConfig, DeviceMemory, FillPolicy, PolicyKind, WriteBackPolicy};
-use ucm_core::store::posix::Durability;
+use ucm_core::config::Geometry;
+use ucm_core::store::cache::CacheConfig;
+use ucm_core::store::nfs::{NfsConfig, NfsStore};
+use ucm_core::store::s3::{S3Config, S3Store};
 use ucm_core::store::{CacheStore, EmptyStore, PosixConfig, PosixStore, Store};
 use ucm_core::task::TaskId;
 use ucm_core::{BlockId, MemSeg, ShardIo};
 
-use crate::errors::{invalid, IntoPyResult};
+use crate::errors::{invalid, to_py, IntoPyResult};
 use crate::py_stage::PyStage;
 
 /// A store implemented in Rust (`Posix`, `Empty`, a `Cache` over another
@@ -111,6 +111,44 @@ impl PyStore {
         };
         // Dropped outside the lock: a finalizer may call back into the store.
         drop(released);
+    }
+
+    /// A cache over `backend` (see `open_stage`).
+    fn cache(
+        py: Python<'_>,
+        cfg: CacheConfig,
+        backend: &Bound<'_, PyAny>,
+        tensor_size_list: Vec<usize>,
+    ) -> PyResult<Self> {
+        let (below, posix): (Arc<dyn Store>, Option<Arc<PosixStore>>) =
+            match backend.cast::<PyStore>() {
+                Ok(native) => {
+                    let native = native.get();
+                    native.usable()?;
+                    (native.store.clone(), native.posix.clone())
+                }
+                Err(_) => (
+                    Arc::new(PyStage::new(py, backend.clone().unbind(), tensor_size_list)),
+                    None,
+                ),
+            };
+        let cache = Arc::new(py.detach(|| CacheStore::open(cfg, below)).py_err()?);
+        let mut owners = Owners::default();
+        if let Ok(native) = backend.cast::<PyStore>() {
+            let native = native.get();
+            native.consumed.store(true, Ordering::Release);
+            // Its transfers in flight now finish under the cache.
+            let inherited = std::mem::take(&mut *native.owners.lock());
+            owners.until_close.extend(inherited.by_task.into_values());
+            owners.until_close.extend(inherited.until_close);
+        }
+        Ok(PyStore {
+            store: cache.clone(),
+            posix,
+            cache: Some(cache),
+            consumed: AtomicBool::new(false),
+            owners: Mutex::new(owners),
+        })
     }
 
     /// Releases the owner of a task that finished.
@@ -300,136 +338,48 @@ fn shards_from_segs(
 
 #[pymethods]
 impl PyStore {
-    /// Opens a Posix store. Arguments are the validated config fields.
+    /// Opens the built-in stage `stage` with its keys `values` (checked as
+    /// `ucm._native.check_stage` does). A `Cache` stage is opened over
+    /// `backend`: another `NativeStore` (which the cache then owns: it is
+    /// closed with the cache) or any Python store object
+    /// (`UcmKVStoreBase`), called back with the GIL for misses and
+    /// write-backs in the row layout of the cache's `tensor_size_list`.
     #[staticmethod]
-    #[pyo3(signature = (storage_backends, block_size, shard_size, tensor_size_list, io_direct=false, io_engine="auto", io_threads=4, timeout_ms=30000, capacity_bytes=0, device_id=0, spare_files=64, durability="none", strict=false))]
-    #[allow(clippy::too_many_arguments)] // mirrors the config keys one to one
-    fn posix(
+    #[pyo3(signature = (stage, values, backend=None))]
+    fn open_stage(
         py: Python<'_>,
-        storage_backends: Vec<PathBuf>,
-        block_size: usize,
-        shard_size: usize,
-        tensor_size_list: Vec<usize>,
-        io_direct: bool,
-        io_engine: &str,
-        io_threads: usize,
-        timeout_ms: u64,
-        capacity_bytes: u64,
-        device_id: i64,
-        spare_files: usize,
-        durability: &str,
-        strict: bool,
+        stage: &str,
+        values: &Bound<'_, PyDict>,
+        backend: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let kind: IoEngineKind = io_engine.parse().py_err()?;
-        let durability: Durability = durability.parse().py_err()?;
-        let cfg = PosixConfig {
-            storage_backends,
-            block_size,
-            shard_size,
-            tensor_size_list,
-            io_direct,
-            io_engine: kind,
-            io_threads,
-            timeout_ms,
-            capacity_bytes,
-            device_id,
-            spare_files,
-            durability,
-            strict,
-        };
-        let store = Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?);
-        Ok(PyStore::plain(store.clone(), Some(store)))
-    }
-
-    /// Opens an Empty store.
-    #[staticmethod]
-    #[pyo3(signature = (timeout_ms=30000))]
-    fn empty(timeout_ms: u64) -> Self {
-        PyStore::plain(Arc::new(EmptyStore::new(timeout_ms)), None)
-    }
-
-    /// Opens a Cache store over `backend`: another `NativeStore` (which the
-    /// cache then owns: it is closed with the cache) or any Python store
-    /// object (`UcmKVStoreBase`), called back with the GIL for misses and
-    /// write-backs. `tensor_size_list` is the row layout the Python store
-    /// expects in `load_data` / `dump_data`.
-    #[staticmethod]
-    #[pyo3(signature = (backend, block_size, shard_size, tensor_size_list, capacity_bytes,
-        eviction_policy="s3fifo", fill_policy="read_allocate", write_back_policy="async",
-        write_back_batch_size=32, write_back_interval_ms=1000, write_back_max_backoff_ms=10000,
-        device_id=0, device_memory="auto", cache_stream_number=4, copy_threads=4,
-        backend_threads=8, share_buffer_enable=false, unique_id=String::new(), timeout_ms=30000))]
-    #[allow(clippy::too_many_arguments)] // mirrors the config keys one to one
-    fn cache(
-        py: Python<'_>,
-        backend: &Bound<'_, PyAny>,
-        block_size: usize,
-        shard_size: usize,
-        tensor_size_list: Vec<usize>,
-        capacity_bytes: u64,
-        eviction_policy: &str,
-        fill_policy: &str,
-        write_back_policy: &str,
-        write_back_batch_size: usize,
-        write_back_interval_ms: u64,
-        write_back_max_backoff_ms: u64,
-        device_id: i64,
-        device_memory: &str,
-        cache_stream_number: usize,
-        copy_threads: usize,
-        backend_threads: usize,
-        share_buffer_enable: bool,
-        unique_id: String,
-        timeout_ms: u64,
-    ) -> PyResult<Self> {
-        let cfg = CacheConfig {
-            block_size,
-            shard_size,
-            capacity_bytes,
-            eviction_policy: eviction_policy.parse::<PolicyKind>().py_err()?,
-            fill_policy: fill_policy.parse::<FillPolicy>().py_err()?,
-            write_back_policy: write_back_policy.parse::<WriteBackPolicy>().py_err()?,
-            write_back_batch_size,
-            write_back_interval_ms,
-            write_back_max_backoff_ms,
-            device_id,
-            device_memory: device_memory.parse::<DeviceMemory>().py_err()?,
-            cache_stream_number,
-            copy_threads,
-            backend_threads,
-            share_buffer_enable,
-            unique_id,
-            timeout_ms,
-        };
-        let (below, posix): (Arc<dyn Store>, Option<Arc<PosixStore>>) =
-            match backend.cast::<PyStore>() {
-                Ok(native) => {
-                    let native = native.get();
-                    native.usable()?;
-                    (native.store.clone(), native.posix.clone())
-                }
-                Err(_) => (
-                    Arc::new(PyStage::new(py, backend.clone().unbind(), tensor_size_list)),
-                    None,
-                ),
-            };
-        let cache = Arc::new(py.detach(|| CacheStore::open(cfg, below)).py_err()?);
-        let mut owners = Owners::default();
-        if let Ok(native) = backend.cast::<PyStore>() {
-            let native = native.get();
-            native.consumed.store(true, Ordering::Release);
-            // Its transfers in flight now finish under the cache.
-            let inherited = std::mem::take(&mut *native.owners.lock());
-            owners.until_close.extend(inherited.by_task.into_values());
-            owners.until_close.extend(inherited.until_close);
+        let s = crate::config::find_stage(stage)?;
+        let v = crate::config::parse(s, values)?;
+        let cfg_err = |e: ucm_core::config::ConfigError| to_py(e.into());
+        let plain = |store: Arc<dyn Store>| Ok(PyStore::plain(store, None));
+        match (s.name, backend) {
+            ("Posix", None) => {
+                let cfg = PosixConfig::from_values(&v).map_err(cfg_err)?;
+                let store = Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?);
+                Ok(PyStore::plain(store.clone(), Some(store)))
+            }
+            ("Empty", None) => plain(Arc::new(EmptyStore::new(v.u64("timeout_ms")))),
+            ("S3", None) => {
+                let cfg = S3Config::from_values(&v).map_err(cfg_err)?;
+                plain(Arc::new(py.detach(|| S3Store::open(cfg)).py_err()?))
+            }
+            ("NFS", None) => {
+                let cfg = NfsConfig::from_values(&v).map_err(cfg_err)?;
+                plain(Arc::new(py.detach(|| NfsStore::open(cfg)).py_err()?))
+            }
+            ("Cache", Some(backend)) => {
+                let cfg = CacheConfig::from_values(&v).map_err(cfg_err)?;
+                let sizes = Geometry::from_values(&v).map_err(cfg_err)?.tensor_size_list;
+                Self::cache(py, cfg, backend, sizes)
+            }
+            ("Cache", None) => Err(invalid("a Cache stage needs a backend below it")),
+            (name, Some(_)) => Err(invalid(format!("the {name} stage takes no backend"))),
+            (name, None) => Err(invalid(format!("the {name} stage has no native store"))),
         }
-        Ok(PyStore {
-            store: cache.clone(),
-            posix,
-            cache: Some(cache),
-            consumed: AtomicBool::new(false),
-            owners: Mutex::new(owners),
-        })
     }
 
     /// The store's name.

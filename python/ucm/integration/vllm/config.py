@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.hashing import HASH_ALGOS
-from ucm.shared.config import ConfigError, build_dataclass, load_yaml
+from ucm.shared.config import ConfigError, build_dataclass, load_yaml, ranged
 from ucm.shared.logging import get_logger
 
 logger = get_logger(__name__)
@@ -82,21 +82,21 @@ class UcmConnectorConfig:
     (else synchronize the device before each save)."""
     load_failure_policy: str = "recompute"
     """What vLLM does with blocks that fail to load: ``recompute`` (default) or ``fail``."""
-    layerwise_lookahead: int = 0
+    layerwise_lookahead: int = ranged(0, 0, 4096)
     """Layer-wise mode: how many layers' loads are in flight ahead of the compute; 0 (the
     default) submits every layer at once (in layer order), which keeps the store busiest.
     A small number bounds the host staging memory of GPU builds."""
-    min_hit_tokens: int = 0
+    min_hit_tokens: int = ranged(0, 0, 1 << 30)
     """Ignore external hits shorter than this (tokens)."""
     prefetch: bool = True
     """Ask the store to start reading a request's hit blocks as soon as they are
     found (page-cache read-ahead of whole block files, or a Cache-tier fill),
     so layer-wise loads find them in memory."""
-    store_retry_interval_s: float = 1.0
+    store_retry_interval_s: float = ranged(1.0, 0.0, 3600.0)
     """After a store failure, first wait before trying the store again (doubles per failure)."""
-    store_retry_max_s: float = 30.0
+    store_retry_max_s: float = ranged(30.0, 0.0, 86400.0)
     """Longest wait between tries of an unusable store."""
-    warning_interval_s: float = 30.0
+    warning_interval_s: float = ranged(30.0, 0.0, 86400.0)
     """At most one warning per this many seconds about an unusable store."""
     force_host_staging: bool = False
     """Move KV through host staging buffers even for CPU tensors (as GPU builds do); for tests."""
@@ -111,13 +111,6 @@ class UcmConnectorConfig:
                 f"load_failure_policy: expected 'recompute' or 'fail', got "
                 f"{self.load_failure_policy!r}"
             )
-        if self.layerwise_lookahead < 0:
-            raise ConfigError(f"layerwise_lookahead: must be >= 0, got {self.layerwise_lookahead}")
-        for name in ("store_retry_interval_s", "store_retry_max_s", "warning_interval_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.min_hit_tokens < 0:
-            raise ConfigError(f"min_hit_tokens: must be >= 0, got {self.min_hit_tokens}")
 
 
 TOP_LEVEL_KEYS = tuple(f.name for f in fields(UcmConnectorConfig))
@@ -150,22 +143,16 @@ class ResolvedConfig:
 
 def store_keys() -> set[str]:
     """Keys any built-in store stage accepts (plus ``store_pipeline``)."""
-    from ucm.shared.config import field_names
-    from ucm.store.config import PIPELINE_KEYS, STAGE_CONFIGS
+    from ucm.store.config import all_stage_keys
 
-    keys: set[str] = set(PIPELINE_KEYS)
-    for cls in STAGE_CONFIGS.values():
-        keys |= set(field_names(cls))
-    return keys | {"io_direct", "storage_backends"}
+    return all_stage_keys()
 
 
 def cache_stage_available() -> bool:
     """True when this build composes pipelines with a ``Cache`` stage."""
-    try:
-        from ucm.store.config import STAGE_CONFIGS
-    except ImportError:  # pragma: no cover
-        return False
-    return "Cache" in STAGE_CONFIGS
+    from ucm.store.config import stage_schemas
+
+    return "Cache" in stage_schemas()
 
 
 def default_store_config() -> dict[str, Any]:
@@ -274,6 +261,16 @@ def _source_label(layer: _Layer, key: str) -> str:
     return layer.name
 
 
+def _metrics_path(value: str, sources: Mapping[str, str], config_file: str | None) -> Path:
+    """``metrics_config_path`` as a path: relative to the YAML file that set
+    it (as the seed's examples write it, ``./metrics_config.yaml``), else to
+    the working directory."""
+    path = Path(value).expanduser()
+    if not path.is_absolute() and config_file and sources["metrics_config_path"].startswith("YAML"):
+        path = Path(config_file).expanduser().resolve().parent / path
+    return path.resolve()
+
+
 def resolve_config(
     extra_config: Mapping[str, Any] | None,
     env: Mapping[str, str] | None = None,
@@ -324,12 +321,27 @@ def resolve_config(
 
     metrics: dict[str, Any] = {}
     if connector.metrics_config_path:
-        metrics = load_yaml(connector.metrics_config_path)
+        path = _metrics_path(connector.metrics_config_path, sources, config_file)
+        try:
+            is_file = path.is_file()
+        except OSError:  # a name too long for the file system, ...
+            is_file = False
+        if not is_file:
+            raise ConfigError(
+                f"metrics_config_path ({sources['metrics_config_path']}): "
+                f"{connector.metrics_config_path!r} resolves to {path}, which is not a file"
+                + (
+                    " (a relative path is taken from the YAML file's directory)"
+                    if sources["metrics_config_path"].startswith("YAML")
+                    else f" (a relative path is taken from the working directory {Path.cwd()})"
+                )
+            )
+        metrics = load_yaml(path)
         unknown = sorted(set(metrics) - {"enabled", "duration_buckets_ms"})
         if unknown:
             raise ConfigError(
                 f"unknown config key {unknown[0]!r} (metrics config "
-                f"{connector.metrics_config_path}); valid keys: duration_buckets_ms, enabled"
+                f"{path}); valid keys: duration_buckets_ms, enabled"
             )
     if connector.load_only_first_rank:
         logger.warning(

@@ -5,7 +5,116 @@ use std::str::FromStr;
 
 use super::policy::PolicyKind;
 use super::transport::DeviceMemory;
+use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values};
 use crate::error::{Result, UcmError};
+
+const THREADS: Kind = Kind::Int { min: 1, max: 256 };
+const SECONDS: Kind = Kind::Float {
+    min: 0.0,
+    max: 3600.0,
+};
+
+/// The Cache stage's own keys (besides the geometry, `device_id` and
+/// `timeout_ms`).
+pub const KEYS: &[Key] = &[
+    Key::new(
+        "cache_buffer_capacity_gb",
+        Kind::Float {
+            min: 1.0 / 1024.0 / 1024.0,
+            max: 1_048_576.0,
+        },
+        Dflt::Is("4"),
+        "Slot memory in GiB, committed as it is first used; at most the machine's memory \
+         (or /dev/shm's size when shared).",
+    ),
+    Key::new(
+        "buffer_number",
+        Kind::Int {
+            min: 2,
+            max: MAX_SLOTS as i64,
+        },
+        Dflt::Unset,
+        "Number of slots (one shard each), instead of cache_buffer_capacity_gb.",
+    ),
+    Key::new(
+        "eviction_policy",
+        Kind::Choice(&["s3fifo", "lru", "sieve", "fifo"]),
+        Dflt::Is("s3fifo"),
+        "Which block leaves when the cache is full: s3fifo (chosen by measurement), lru, \
+         sieve or fifo.",
+    ),
+    Key::new(
+        "fill_policy",
+        Kind::Choice(&["read_allocate", "write_allocate", "no_allocate"]),
+        Dflt::Is("read_allocate"),
+        "What stays cached: read_allocate (load misses and dumps), write_allocate (dumps \
+         only) or no_allocate (nothing once the backend has it).",
+    ),
+    Key::new(
+        "write_back_policy",
+        Kind::Choice(&["sync", "async", "lazy"]),
+        Dflt::Is("async"),
+        "When dumps reach the backend: sync (before wait() returns), async (queued and \
+         batched) or lazy (when evicted, or on flush/close).",
+    ),
+    Key::new(
+        "write_back_batch_size",
+        Kind::Int { min: 1, max: 4096 },
+        Dflt::Is("32"),
+        "Blocks per backend write; this many waiting blocks start one (async).",
+    ),
+    Key::new(
+        "write_back_interval",
+        SECONDS,
+        Dflt::Is("1.0"),
+        "Seconds a dirty block waits at most for its batch (async).",
+    ),
+    Key::new(
+        "write_back_max_backoff",
+        Kind::Float {
+            min: 0.001,
+            max: 3600.0,
+        },
+        Dflt::Is("10.0"),
+        "Seconds: cap of the retry delay after failed backend writes.",
+    ),
+    Key::new(
+        "cache_stream_number",
+        Kind::Int { min: 1, max: 32 },
+        Dflt::Is("4"),
+        "CUDA copy streams for device memory.",
+    ),
+    Key::new(
+        "cache_copy_threads",
+        THREADS,
+        Dflt::Is("4"),
+        "Threads copying between slots and caller memory.",
+    ),
+    Key::new(
+        "cache_backend_threads",
+        THREADS,
+        Dflt::Is("8"),
+        "Threads waiting on backend transfers (fills, bypasses, sync writes).",
+    ),
+    Key::new(
+        "share_buffer_enable",
+        Kind::Bool,
+        Dflt::Is("false"),
+        "Put the cache in /dev/shm, shared by every process with the same unique_id.",
+    ),
+    Key::new(
+        "unique_id",
+        Kind::Text,
+        Dflt::Is(""),
+        "Names the shared segment (required with share_buffer_enable).",
+    ),
+    Key::new(
+        "device_memory",
+        Kind::Choice(&["auto", "true", "false"]),
+        Dflt::Is("auto"),
+        "Whether transfer addresses are device memory; auto asks CUDA per transfer.",
+    ),
+];
 
 /// Which operations leave blocks in the cache (see the crate docs of
 /// [`super`]): dumps always pass through the cache; this decides what
@@ -154,7 +263,103 @@ impl Default for CacheConfig {
 /// Most slots a cache may have (slot indices are u32; one is reserved).
 pub const MAX_SLOTS: u64 = (u32::MAX - 1) as u64;
 
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Bytes of physical memory, if the system says.
+fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && size > 0).then(|| pages as u64 * size as u64)
+}
+
+/// Total bytes of the file system at `path`, if it exists.
+fn fs_size(path: &str) -> Option<u64> {
+    let c = std::ffi::CString::new(path).ok()?;
+    // SAFETY: statvfs is plain old data; zeroed is valid, and `c` is a
+    // valid NUL-terminated path for the duration of the call.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_blocks as u64).saturating_mul(st.f_frsize as u64))
+}
+
 impl CacheConfig {
+    /// Builds the config from a checked Cache stage (see [`crate::config`]),
+    /// refusing a capacity the machine can't hold.
+    pub fn from_values(v: &Values) -> std::result::Result<Self, ConfigError> {
+        let g = Geometry::from_values(v)?;
+        let choice = |key: &'static str| move |e: UcmError| ConfigError::new(key, e.to_string());
+        let mut cfg = CacheConfig {
+            block_size: g.block_size,
+            shard_size: g.shard_size,
+            capacity_bytes: (v.float("cache_buffer_capacity_gb") * GIB) as u64,
+            eviction_policy: v
+                .text("eviction_policy")
+                .parse()
+                .map_err(choice("eviction_policy"))?,
+            fill_policy: v
+                .text("fill_policy")
+                .parse()
+                .map_err(choice("fill_policy"))?,
+            write_back_policy: v
+                .text("write_back_policy")
+                .parse()
+                .map_err(choice("write_back_policy"))?,
+            write_back_batch_size: v.usize("write_back_batch_size"),
+            write_back_interval_ms: (v.float("write_back_interval") * 1000.0).round() as u64,
+            write_back_max_backoff_ms: ((v.float("write_back_max_backoff") * 1000.0).round()
+                as u64)
+                .max(1),
+            device_id: v.int("device_id"),
+            device_memory: v
+                .text("device_memory")
+                .parse()
+                .map_err(choice("device_memory"))?,
+            cache_stream_number: v.usize("cache_stream_number"),
+            copy_threads: v.usize("cache_copy_threads"),
+            backend_threads: v.usize("cache_backend_threads"),
+            share_buffer_enable: v.bool("share_buffer_enable"),
+            unique_id: v.text("unique_id").to_string(),
+            timeout_ms: v.u64("timeout_ms"),
+        };
+        let mut key = "cache_buffer_capacity_gb";
+        if let Some(n) = v.opt_int("buffer_number") {
+            cfg.capacity_bytes = (n as u64).saturating_mul(cfg.stride() as u64);
+            key = "buffer_number";
+        }
+        cfg.validate_with(key)?;
+        cfg.check_fits(key)?;
+        Ok(cfg)
+    }
+
+    /// Refuses a capacity larger than the machine's memory, or than
+    /// `/dev/shm` for a shared cache: such a cache would be killed (or
+    /// fail with SIGBUS) once it filled up, long after start.
+    fn check_fits(&self, key: &str) -> std::result::Result<(), ConfigError> {
+        let (limit, what) = if self.share_buffer_enable {
+            (fs_size("/dev/shm"), "the size of /dev/shm")
+        } else {
+            (physical_memory(), "this machine's memory")
+        };
+        match limit {
+            Some(limit) if self.capacity_bytes > limit => Err(ConfigError::new(
+                key,
+                format!(
+                    "{:.2} GiB of cache is more than {what} ({:.2} GiB)",
+                    self.capacity_bytes as f64 / GIB,
+                    limit as f64 / GIB
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Bytes between slots (shards are padded to 4 KiB for O_DIRECT/DMA).
     pub fn stride(&self) -> usize {
         self.shard_size.div_ceil(4096) * 4096
@@ -170,44 +375,53 @@ impl CacheConfig {
         (self.capacity_bytes / self.stride().max(1) as u64).min(MAX_SLOTS) as usize
     }
 
-    /// Checks values; errors name the key.
-    pub fn validate(&self) -> Result<()> {
-        if self.shard_size == 0 {
-            return Err(UcmError::invalid("shard_size: must be > 0"));
-        }
-        if self.block_size == 0 || self.block_size % self.shard_size != 0 {
-            return Err(UcmError::invalid(format!(
-                "block_size: {} must be a positive multiple of shard_size {}",
-                self.block_size, self.shard_size
-            )));
+    /// Checks values; errors name the key (`capacity_key`: the key that
+    /// set the capacity, `cache_buffer_capacity_gb` or `buffer_number`).
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
+        self.validate_with("cache_buffer_capacity_gb")
+    }
+
+    fn validate_with(&self, capacity_key: &str) -> std::result::Result<(), ConfigError> {
+        if self.shard_size == 0 || self.block_size == 0 || self.block_size % self.shard_size != 0 {
+            return Err(ConfigError::new(
+                "shard_size",
+                format!(
+                    "{} must be > 0 and divide block_size {}",
+                    self.shard_size, self.block_size
+                ),
+            ));
         }
         if self.slots() < self.shard_count().max(2) {
-            return Err(UcmError::invalid(format!(
-                "cache_buffer_capacity_gb: {} bytes hold {} slot(s) of {} bytes; at least {} \
-                 (one whole block, and no fewer than 2) are needed",
-                self.capacity_bytes,
-                self.slots(),
-                self.stride(),
-                self.shard_count().max(2)
-            )));
+            return Err(ConfigError::new(
+                capacity_key,
+                format!(
+                    "{} bytes hold {} slot(s) of {} bytes; at least {} (one whole block, and no \
+                     fewer than 2) are needed",
+                    self.capacity_bytes,
+                    self.slots(),
+                    self.stride(),
+                    self.shard_count().max(2)
+                ),
+            ));
         }
-        if self.write_back_batch_size == 0 {
-            return Err(UcmError::invalid("write_back_batch_size: must be > 0"));
+        let positive = [
+            ("write_back_batch_size", self.write_back_batch_size),
+            ("cache_copy_threads", self.copy_threads),
+            ("cache_backend_threads", self.backend_threads),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError::new(*key, "must be > 0"));
         }
         if !(1..=32).contains(&self.cache_stream_number) {
-            return Err(UcmError::invalid(format!(
-                "cache_stream_number: {} is out of range 1..=32",
-                self.cache_stream_number
-            )));
-        }
-        if self.copy_threads == 0 || self.backend_threads == 0 {
-            return Err(UcmError::invalid(
-                "cache_copy_threads / cache_backend_threads: must be > 0",
+            return Err(ConfigError::new(
+                "cache_stream_number",
+                format!("{} is out of range 1..=32", self.cache_stream_number),
             ));
         }
         if self.share_buffer_enable && self.unique_id.trim().is_empty() {
-            return Err(UcmError::invalid(
-                "unique_id: required (non-empty) when share_buffer_enable is true",
+            return Err(ConfigError::new(
+                "unique_id",
+                "required (non-empty) when share_buffer_enable is true",
             ));
         }
         Ok(())

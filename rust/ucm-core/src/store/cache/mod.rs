@@ -60,7 +60,7 @@ pub mod table;
 pub mod transport;
 mod writeback;
 
-pub use config::{CacheConfig, FillPolicy, WriteBackPolicy};
+pub use config::{CacheConfig, FillPolicy, WriteBackPolicy, KEYS};
 pub use policy::PolicyKind;
 pub use transport::DeviceMemory;
 

@@ -4,8 +4,57 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values, MAX_TIMEOUT_MS};
 use crate::error::{Result, UcmError};
 use crate::store::posix::validate_geometry;
+
+/// The NFS stage's own keys (besides the geometry, `device_id` and
+/// `timeout_ms`).
+pub const KEYS: &[Key] = &[
+    Key::new(
+        "storage_backends",
+        Kind::Location,
+        Dflt::Required,
+        "nfs://server[:port]/export/path[?options] for the built-in NFSv3 client (no kernel \
+         mount, no root), or a directory on a kernel-mounted export.",
+    ),
+    Key::new(
+        "nfs_mount_options",
+        Kind::Text,
+        Dflt::Is(""),
+        "mount -o style options the built-in client honours: vers=3, port=, mountport=, \
+         timeo= (tenths of a second), retrans=, rsize=, wsize=, sync, ro, resvport, uid=, \
+         gid=, lookupcache=none; others (rw, hard, nolock...) are ignored with a log line.",
+    ),
+    Key::new(
+        "nfs_max_concurrency",
+        Kind::Int { min: 1, max: 256 },
+        Dflt::Is("8"),
+        "Requests in flight at most (= connections of the built-in client).",
+    ),
+    Key::new(
+        "nfs_lookup_cache_ttl_ms",
+        Kind::Int {
+            min: 0,
+            max: MAX_TIMEOUT_MS,
+        },
+        Dflt::Is("30000"),
+        "How long a \"present\" lookup result is reused; 0 disables. \"Absent\" results \
+         never are.",
+    ),
+    Key::new(
+        "nfs_io_threads",
+        Kind::Int { min: 1, max: 64 },
+        Dflt::Is("2"),
+        "Threads of the store's I/O runtime.",
+    ),
+    Key::new(
+        "io_direct",
+        Kind::Bool,
+        Dflt::Is("false"),
+        "O_DIRECT on a kernel-mounted export (off unless asked).",
+    ),
+];
 use crate::store::s3::shared::expand_env;
 
 /// NFS store settings. Field names follow the config keys.
@@ -60,6 +109,26 @@ impl Default for NfsConfig {
             tensor_size_list: Vec::new(),
             device_id: 0,
         }
+    }
+}
+
+impl NfsConfig {
+    /// Builds the config from a checked NFS stage (see [`crate::config`]).
+    pub fn from_values(v: &Values) -> std::result::Result<Self, ConfigError> {
+        let g = Geometry::from_values(v)?;
+        Ok(NfsConfig {
+            target: v.text("storage_backends").trim().to_string(),
+            mount_options: v.text("nfs_mount_options").to_string(),
+            max_concurrency: v.usize("nfs_max_concurrency"),
+            timeout_ms: v.u64("timeout_ms"),
+            lookup_cache_ttl_ms: v.u64("nfs_lookup_cache_ttl_ms"),
+            io_direct: v.bool("io_direct"),
+            io_threads: v.usize("nfs_io_threads"),
+            block_size: g.block_size,
+            shard_size: g.shard_size,
+            tensor_size_list: g.tensor_size_list,
+            device_id: v.int("device_id"),
+        })
     }
 }
 

@@ -48,7 +48,7 @@ pub mod client;
 pub mod config;
 pub mod fs;
 
-pub use config::{MountOptions, NfsConfig, Target};
+pub use config::{MountOptions, NfsConfig, Target, KEYS};
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;

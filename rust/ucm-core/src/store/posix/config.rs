@@ -2,8 +2,69 @@
 
 use std::path::PathBuf;
 
+use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values};
 use crate::error::{Result, UcmError};
 use crate::io::IoEngineKind;
+
+/// The Posix stage's own keys (besides the geometry, `device_id` and
+/// `timeout_ms`).
+pub const KEYS: &[Key] = &[
+    Key::new(
+        "storage_backends",
+        Kind::Locations,
+        Dflt::Required,
+        "Directories holding the blocks: a list, or one string of ':'-separated paths. Blocks \
+         spread across them by id.",
+    ),
+    Key::new(
+        "io_direct",
+        Kind::Bool,
+        Dflt::Is("false"),
+        "Open block files with O_DIRECT (bypass the page cache).",
+    ),
+    Key::new(
+        "io_engine",
+        Kind::Choice(&["auto", "uring", "psync"]),
+        Dflt::Is("auto"),
+        "I/O engine: auto (io_uring for O_DIRECT files, else psync), uring or psync.",
+    ),
+    Key::new(
+        "io_threads",
+        Kind::Int { min: 1, max: 256 },
+        Dflt::Is("4"),
+        "Worker threads (and psync I/O threads).",
+    ),
+    Key::new(
+        "posix_capacity_gb",
+        Kind::Float {
+            min: 0.0,
+            max: 1_048_576.0,
+        },
+        Dflt::Is("0"),
+        "Capacity in GiB above which the least recently used blocks are evicted; 0: unbounded.",
+    ),
+    Key::new(
+        "posix_spare_files",
+        Kind::Int { min: 0, max: 4096 },
+        Dflt::Is("64"),
+        "Empty files kept created ahead of dumps, per directory (hides slow file creation); \
+         0 disables.",
+    ),
+    Key::new(
+        "durability",
+        Kind::Choice(&["none", "data", "full"]),
+        Dflt::Is("none"),
+        "What a successful dump guarantees: none (published, survives a killed process), \
+         data (data synced before the rename) or full (and the directory: survives a power cut).",
+    ),
+    Key::new(
+        "posix_strict",
+        Kind::Bool,
+        Dflt::Is("false"),
+        "Refuse storage directories other users can write to, and block files other users own, \
+         instead of warning.",
+    ),
+];
 
 /// Most shards a block may have (the header stores the count as u32; this
 /// keeps the per-block bookkeeping small).
@@ -96,6 +157,37 @@ impl Default for PosixConfig {
 }
 
 impl PosixConfig {
+    /// Builds the config from a checked Posix stage (see [`crate::config`]).
+    pub fn from_values(v: &Values) -> std::result::Result<Self, ConfigError> {
+        let g = Geometry::from_values(v)?;
+        let choice = |key: &str, e: UcmError| ConfigError::new(key, e.to_string());
+        Ok(PosixConfig {
+            storage_backends: v
+                .list("storage_backends")
+                .iter()
+                .map(PathBuf::from)
+                .collect(),
+            block_size: g.block_size,
+            shard_size: g.shard_size,
+            tensor_size_list: g.tensor_size_list,
+            io_direct: v.bool("io_direct"),
+            io_engine: v
+                .text("io_engine")
+                .parse()
+                .map_err(|e| choice("io_engine", e))?,
+            io_threads: v.usize("io_threads"),
+            timeout_ms: v.u64("timeout_ms"),
+            capacity_bytes: (v.float("posix_capacity_gb") * (1u64 << 30) as f64) as u64,
+            device_id: v.int("device_id"),
+            spare_files: v.usize("posix_spare_files"),
+            durability: v
+                .text("durability")
+                .parse()
+                .map_err(|e| choice("durability", e))?,
+            strict: v.bool("posix_strict"),
+        })
+    }
+
     /// Checks sizes and directories; errors name the key and the value.
     pub fn validate(&self) -> Result<()> {
         if self.storage_backends.is_empty() {

@@ -31,7 +31,7 @@ mod trust;
 mod work;
 mod writer;
 
-pub use config::{validate_geometry, Durability, PosixConfig, MAX_SHARDS};
+pub use config::{validate_geometry, Durability, PosixConfig, KEYS, MAX_SHARDS};
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -376,7 +376,48 @@ impl PosixStore {
     }
 }
 
+/// Index misses in one block directory, within one lookup, from which on
+/// the directory is listed once instead of probing each id with a `stat`.
+const LIST_MIN_MISSES: usize = 64;
+
 impl Shared {
+    /// [`Shared::present`] of many ids. Index misses are grouped by block
+    /// directory; a directory with many of them is listed once, so a lookup
+    /// of a million absent ids costs 256 directory reads, not a million
+    /// `stat`s, while a block another process published is still found
+    /// (the listing is taken now, not cached).
+    fn present_all(&self, ids: &[BlockId]) -> Vec<bool> {
+        let mut out = vec![false; ids.len()];
+        let mut misses: std::collections::HashMap<PathBuf, Vec<usize>> = Default::default();
+        for (i, id) in ids.iter().enumerate() {
+            if self.index.touch(id) {
+                out[i] = true;
+            } else {
+                misses.entry(self.paths.dir(id)).or_default().push(i);
+            }
+        }
+        for (dir, idx) in misses {
+            if idx.len() < LIST_MIN_MISSES {
+                for i in idx {
+                    out[i] = self.present(&ids[i]);
+                }
+                continue;
+            }
+            let names: std::collections::HashSet<std::ffi::OsString> = std::fs::read_dir(&dir)
+                .map(|d| d.flatten().map(|e| e.file_name()).collect())
+                .unwrap_or_default();
+            for i in idx {
+                let id = &ids[i];
+                out[i] = if names.contains(std::ffi::OsStr::new(&id.hex())) {
+                    self.present(id)
+                } else {
+                    self.commit_settled(id) && self.index.touch(id)
+                };
+            }
+        }
+        out
+    }
+
     fn present(&self, id: &BlockId) -> bool {
         if self.index.touch(id) {
             return true;
@@ -442,7 +483,7 @@ impl Store for PosixStore {
         if self.closed.load(Ordering::Acquire) {
             return Err(UcmError::Closed);
         }
-        Ok(ids.iter().map(|id| self.present(id)).collect())
+        Ok(self.shared.present_all(ids))
     }
 
     fn lookup_on_prefix(&self, ids: &[BlockId]) -> Result<isize> {

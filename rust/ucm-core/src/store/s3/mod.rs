@@ -59,7 +59,7 @@ pub mod codec;
 pub mod config;
 pub mod shared;
 
-pub use config::{S3Config, S3Location};
+pub use config::{S3Config, S3Location, KEYS};
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;

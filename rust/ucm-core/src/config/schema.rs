@@ -1,0 +1,244 @@
+//! The declarations: what a key is, and which keys each stage takes.
+
+/// The type and range of a key's value.
+#[derive(Clone, Copy, Debug)]
+pub enum Kind {
+    /// `true`/`false` (also `1`/`0`, `yes`/`no`, `on`/`off` as text).
+    Bool,
+    /// An integer within `min..=max` (also as text, `0x` allowed).
+    Int {
+        /// Smallest value.
+        min: i64,
+        /// Largest value.
+        max: i64,
+    },
+    /// A finite number within `min..=max` (also as text).
+    Float {
+        /// Smallest value.
+        min: f64,
+        /// Largest value.
+        max: f64,
+    },
+    /// Any text.
+    Text,
+    /// One of these words (case-insensitive).
+    Choice(&'static [&'static str]),
+    /// A non-empty list of positive integers (bytes).
+    Sizes,
+    /// One or more locations: a list of text, or one text of
+    /// `:`-separated paths.
+    Locations,
+    /// One location (a URL may hold `:`): text, or a list of one text.
+    Location,
+}
+
+/// A key's default.
+#[derive(Clone, Copy, Debug)]
+pub enum Dflt {
+    /// The key must be given.
+    Required,
+    /// Optional, with no value unless given (derived from other keys).
+    Unset,
+    /// This value, written as config text.
+    Is(&'static str),
+}
+
+/// One config key.
+#[derive(Clone, Copy, Debug)]
+pub struct Key {
+    /// The key as written in a config.
+    pub name: &'static str,
+    /// Its type and range.
+    pub kind: Kind,
+    /// Its default.
+    pub default: Dflt,
+    /// One line for users (README tables, `ucm config check`).
+    pub doc: &'static str,
+    /// Never shown in messages, logs or `repr`.
+    pub secret: bool,
+}
+
+impl Key {
+    /// A key that is not secret.
+    pub const fn new(name: &'static str, kind: Kind, default: Dflt, doc: &'static str) -> Self {
+        Key {
+            name,
+            kind,
+            default,
+            doc,
+            secret: false,
+        }
+    }
+
+    /// A key whose value is never shown.
+    pub const fn secret(name: &'static str, doc: &'static str) -> Self {
+        Key {
+            name,
+            kind: Kind::Text,
+            default: Dflt::Is(""),
+            doc,
+            secret: true,
+        }
+    }
+}
+
+/// One store stage (`store_pipeline: "Cache|Posix"` has two).
+#[derive(Debug)]
+pub struct Stage {
+    /// The name in `store_pipeline`.
+    pub name: &'static str,
+    /// Other spellings of the name.
+    pub aliases: &'static [&'static str],
+    /// What the stage is, in one line.
+    pub doc: &'static str,
+    /// Its keys, in groups (the shared geometry keys, its own).
+    pub groups: &'static [&'static [Key]],
+}
+
+impl Stage {
+    /// Every key of the stage.
+    pub fn keys(&self) -> impl Iterator<Item = &'static Key> {
+        self.groups.iter().flat_map(|g| g.iter())
+    }
+
+    /// The key named `name`.
+    pub fn key(&self, name: &str) -> Option<&'static Key> {
+        self.keys().find(|k| k.name == name)
+    }
+}
+
+/// Largest block or shard: 1 TiB.
+const MAX_BLOCK: i64 = 1 << 40;
+/// Longest timeout: a day.
+pub const MAX_TIMEOUT_MS: i64 = 86_400_000;
+
+/// The block geometry, shared by every stage that stores blocks.
+pub const GEOMETRY: &[Key] = &[
+    Key::new(
+        "block_size",
+        Kind::Int {
+            min: 1,
+            max: MAX_BLOCK,
+        },
+        Dflt::Required,
+        "Bytes of one whole block, all shards together.",
+    ),
+    Key::new(
+        "shard_size",
+        Kind::Int {
+            min: 1,
+            max: MAX_BLOCK,
+        },
+        Dflt::Unset,
+        "Bytes of one shard (e.g. one layer); divides block_size. Default: block_size.",
+    ),
+    Key::new(
+        "tensor_size",
+        Kind::Int {
+            min: 1,
+            max: MAX_BLOCK,
+        },
+        Dflt::Unset,
+        "Bytes of each tensor of a shard, when they are all equal.",
+    ),
+    Key::new(
+        "tensor_size_list",
+        Kind::Sizes,
+        Dflt::Unset,
+        "Bytes of each tensor of a shard, in order; sums to shard_size. Default: one tensor.",
+    ),
+];
+
+/// The role and task timeout, shared by every stage.
+pub const COMMON: &[Key] = &[
+    Key::new(
+        "device_id",
+        Kind::Int { min: -1, max: 1023 },
+        Dflt::Is("0"),
+        "-1: lookup-only store (the scheduler role), load and dump refused; >= 0: transfers \
+         on (and the CUDA device of a Cache).",
+    ),
+    Key::new(
+        "timeout_ms",
+        Kind::Int {
+            min: 0,
+            max: MAX_TIMEOUT_MS,
+        },
+        Dflt::Is("30000"),
+        "Task timeout in ms, counted from submit; 0 disables it.",
+    ),
+];
+
+static STAGES: &[Stage] = &[
+    Stage {
+        name: "Posix",
+        aliases: &[],
+        doc: "One file per block on local or mounted file systems.",
+        groups: &[GEOMETRY, crate::store::posix::KEYS, COMMON],
+    },
+    Stage {
+        name: "Cache",
+        aliases: &[],
+        doc: "A host-memory tier over the stage below it.",
+        groups: &[GEOMETRY, crate::store::cache::KEYS, COMMON],
+    },
+    Stage {
+        name: "S3",
+        aliases: &["Ds3fs", "DS3FS"],
+        doc: "One object per block in an S3-compatible bucket.",
+        groups: &[GEOMETRY, crate::store::s3::KEYS, COMMON],
+    },
+    Stage {
+        name: "NFS",
+        aliases: &[],
+        doc: "One file per block on an NFS export (built-in NFSv3 client, or a kernel mount).",
+        groups: &[GEOMETRY, crate::store::nfs::KEYS, COMMON],
+    },
+    Stage {
+        name: "Empty",
+        aliases: &[],
+        doc: "Keeps nothing: every lookup misses (for tests and baselines).",
+        groups: &[COMMON],
+    },
+];
+
+/// Every built-in stage.
+pub fn stages() -> &'static [Stage] {
+    STAGES
+}
+
+/// The built-in stage named `name` (or one of its aliases).
+pub fn stage(name: &str) -> Option<&'static Stage> {
+    STAGES
+        .iter()
+        .find(|s| s.name == name || s.aliases.contains(&name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_is_declared_once_per_stage_with_a_valid_default() {
+        for s in stages() {
+            let mut names: Vec<_> = s.keys().map(|k| k.name).collect();
+            let n = names.len();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), n, "duplicate key in stage {}", s.name);
+            for k in s.keys() {
+                assert!(!k.doc.is_empty(), "{}.{} has no doc", s.name, k.name);
+                if let Dflt::Is(text) = k.default {
+                    let raw = super::super::Raw::Str(text.into());
+                    assert!(
+                        super::super::value::convert(k, &raw).is_ok() || k.secret,
+                        "{}.{}: default {text:?} does not parse",
+                        s.name,
+                        k.name
+                    );
+                }
+            }
+        }
+        assert_eq!(stage("Ds3fs").map(|s| s.name), Some("S3"));
+    }
+}
