@@ -346,7 +346,14 @@ def test_tp2_mla_latent_kv_is_saved_once(
     store = tmp_path / "mla-store"
     cfg = {
         "model": str(model),
-        "llm": {"tensor_parallel_size": 2, "block_size": MLA_BS},
+        # Pinned: on a CPU with AMX, vLLM would pick its AMX MLA backend,
+        # which refuses float32 weights; the reference backend runs on every
+        # x86-64 CPU.
+        "llm": {
+            "tensor_parallel_size": 2,
+            "block_size": MLA_BS,
+            "attention_config": {"backend": "CPU_MLA"},
+        },
         "ucm": {"storage_backends": str(store), "store_pipeline": "Posix"},
     }
     rng = random.Random(99)
@@ -373,3 +380,26 @@ def test_tp2_mla_latent_kv_is_saved_once(
     assert m["ucm_save_blocks_total"] == n  # only rank 0 saved
     e.close()
     assert set(block_files(store)) == set(files)
+
+
+def test_pinned_mla_backend_holds_on_a_cpu_with_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLA test pins vLLM's reference CPU_MLA backend, because on a CPU
+    with AMX vLLM would otherwise pick AMX_MLA (which refuses float32): the
+    pin must win where AMX is present (simulated here)."""
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    sel = AttentionSelectorConfig(
+        head_size=KV_LORA + ROPE,
+        dtype=torch.float32,
+        kv_cache_dtype=None,
+        block_size=MLA_BS,
+        use_mla=True,
+    )
+    chosen = CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CPU_MLA, sel)
+    assert chosen == AttentionBackendEnum.CPU_MLA.get_path()
+    unpinned = CpuPlatform.get_attn_backend_cls(None, sel)
+    assert unpinned == AttentionBackendEnum.AMX_MLA.get_path()
