@@ -9,7 +9,11 @@ Prints, in one run:
 * hashing speed of a 32k-token prompt in 128-token blocks against the
   pure-Python md5+pickle reference.
 
+With ``--durability``, instead: dump GB/s (until ``wait()`` returns) with
+``durability: data`` and ``full`` against ``none``, same blocks, same run.
+
     python benches/store_bench.py [--dir DIR] [--mib 128] [--engines psync,uring]
+    python benches/store_bench.py --durability [--dir DIR] [--mib 128]
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ucm.store import UcmConnectorFactory
 QD = 4
 
 
-def make_store(root: Path, shard: int, tensors: int, engine: str, direct: bool):
+def make_store(root: Path, shard: int, tensors: int, engine: str, direct: bool, **extra: object):
     return UcmConnectorFactory.create_connector(
         "UcmPipelineStore",
         {
@@ -42,8 +46,34 @@ def make_store(root: Path, shard: int, tensors: int, engine: str, direct: bool):
             "io_direct": direct,
             "io_threads": QD,
             "timeout_ms": 0,
+            **extra,
         },
     )
+
+
+def durability_cost(parent: Path, total: int) -> None:
+    """Dump GB/s with each ``durability`` setting, 1 MiB blocks, fresh
+    directories, the modes interleaved over 3 rounds (medians)."""
+    shard = 1 << 20
+    n = total // shard
+    src = aligned(total)
+    src.copy_(torch.from_numpy(np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)))
+    rows = [[src[i * shard : (i + 1) * shard]] for i in range(n)]
+    modes = ("none", "data", "full")
+    speeds: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(3):
+        for mode in modes:
+            with tempfile.TemporaryDirectory(dir=parent) as d:
+                store = make_store(Path(d), shard, 1, "psync", False, durability=mode)
+                t0 = time.perf_counter()
+                store.wait(store.dump(ids_for(r + 1, n), [0] * n, rows))
+                speeds[mode].append(total / (time.perf_counter() - t0) / 1e9)
+                store.close()
+    base = statistics.median(speeds["none"])
+    print(f"dump until wait() returns, {total >> 20} MiB in 1 MiB blocks (GB/s, median of 3)")
+    for mode in modes:
+        got = statistics.median(speeds[mode])
+        print(f"  durability: {mode:<5} {got:7.2f}   x{got / base:5.2f} of none")
 
 
 def aligned(nbytes: int) -> torch.Tensor:
@@ -144,9 +174,13 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("target"), help="parent of the scratch dir")
     ap.add_argument("--mib", type=int, default=128, help="MiB moved per measurement")
     ap.add_argument("--engines", default="psync,uring")
+    ap.add_argument("--durability", action="store_true", help="the cost of data/full syncs")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     total = args.mib << 20
+    if args.durability:
+        durability_cost(args.dir, total)
+        return
     print(f"Python API vs plain O_DIRECT pread/pwrite, {args.mib} MiB, queue depth {QD} (GB/s)")
     print(
         f"{'case':<26}{'dump':>7}{'base_w':>8}{'ratio':>7}"

@@ -54,6 +54,9 @@ class KeySpec:
     choices: tuple[str, ...]
     doc: str
     secret: bool
+    shared: bool
+    """The same in every stage that has it (the geometry, ``device_id``,
+    ``timeout_ms``)."""
 
 
 @dataclass(frozen=True)

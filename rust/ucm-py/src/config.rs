@@ -4,7 +4,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
-use ucm_core::config::{self, Dflt, Geometry, Kind, Raw, Stage, Val, Values};
+use ucm_core::config::{self, Dflt, Geometry, Key, Kind, Raw, Stage, Val, Values};
 
 use crate::errors::to_py;
 
@@ -122,17 +122,27 @@ fn check_stage<'py>(
 }
 
 /// The declarations of every built-in stage: a list of dicts `{name,
-/// aliases, doc, keys: [{name, type, default, min, max, choices, doc,
-/// secret}]}`; `default` is the config text, or None (required: see
-/// `required`).
+/// aliases, doc, keys: [{name, type, default, required, min, max, choices,
+/// doc, secret, shared}]}`; `default` is the config text, or None;
+/// `shared` keys (the geometry, `device_id`, `timeout_ms`) are the same in
+/// every stage that has them.
 #[pyfunction]
 fn config_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let out = PyList::empty(py);
     for s in config::stages() {
         let keys = PyList::empty(py);
+        let shared = |k: &Key| {
+            [
+                config::schema_groups::GEOMETRY,
+                config::schema_groups::COMMON,
+            ]
+            .iter()
+            .any(|g| g.iter().any(|x| x.name == k.name))
+        };
         for k in s.keys() {
             let d = PyDict::new(py);
             d.set_item("name", k.name)?;
+            d.set_item("shared", shared(k))?;
             d.set_item("doc", k.doc)?;
             d.set_item("secret", k.secret)?;
             let (ty, min, max, choices): (&str, Option<f64>, Option<f64>, Vec<&str>) = match k.kind

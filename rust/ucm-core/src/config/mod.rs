@@ -18,6 +18,11 @@ mod value;
 
 pub use geometry::Geometry;
 pub use schema::{stage, stages, Dflt, Key, Kind, Stage, MAX_TIMEOUT_MS};
+
+/// The key groups several stages share.
+pub mod schema_groups {
+    pub use super::schema::{COMMON, GEOMETRY};
+}
 pub use value::{parse_stage, suggestion, Raw, Val, Values};
 
 use std::fmt;

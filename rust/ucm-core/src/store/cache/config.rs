@@ -20,7 +20,7 @@ pub const KEYS: &[Key] = &[
     Key::new(
         "cache_buffer_capacity_gb",
         Kind::Float {
-            min: 1.0 / 1024.0 / 1024.0,
+            min: 1e-6,
             max: 1_048_576.0,
         },
         Dflt::Is("4"),

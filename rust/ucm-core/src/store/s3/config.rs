@@ -83,7 +83,7 @@ pub const KEYS: &[Key] = &[
     Key::new(
         "s3_staging_buffer_gb",
         Kind::Float {
-            min: 1.0 / 1024.0,
+            min: 0.001,
             max: 1024.0,
         },
         Dflt::Is("1"),
