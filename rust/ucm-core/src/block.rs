@@ -1,6 +1,8 @@
 //! Block identity and the description of one shard transfer.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// A 16-byte block id (the chained hash of a block's tokens).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,6 +68,29 @@ impl fmt::Display for BlockId {
         f.write_str(&self.hex())
     }
 }
+
+/// Block ids are already uniform hashes: use their first 8 bytes as the
+/// hash instead of running SipHash over them again.
+#[derive(Default)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // `[u8; 16]` hashes as its length (usize) followed by the bytes.
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.0 ^= u64::from_le_bytes(b);
+        }
+    }
+    fn write_usize(&mut self, _n: usize) {}
+}
+
+/// A hash map keyed by block id, hashed by [`IdHasher`].
+pub type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
 
 /// One contiguous piece of caller memory (a tensor, or part of one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The block geometry shared by every stage that stores blocks.
 
 use super::{ConfigError, Values};
-use crate::store::posix::MAX_SHARDS;
+use crate::store::format::layout::MAX_SHARDS;
 
 /// A stage's block geometry, with its defaults resolved.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -14,6 +14,7 @@ use crate::task::TaskId;
 
 pub mod cache;
 pub mod empty;
+pub mod format;
 pub mod nfs;
 pub mod pipeline;
 pub mod posix;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values, MAX_TIMEOUT_MS};
 use crate::error::{Result, UcmError};
-use crate::store::posix::validate_geometry;
+use crate::store::format::layout::validate_geometry;
 
 /// The NFS stage's own keys (besides the geometry, `device_id` and
 /// `timeout_ms`).
@@ -55,7 +55,7 @@ pub const KEYS: &[Key] = &[
         "O_DIRECT on a kernel-mounted export (off unless asked).",
     ),
 ];
-use crate::store::s3::shared::expand_env;
+use crate::store::remote::expand_env;
 
 /// NFS store settings. Field names follow the config keys.
 #[derive(Clone, Debug)]

@@ -6,7 +6,6 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::hash::BuildHasherDefault;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,13 +16,11 @@ use parking_lot::Mutex;
 
 use super::client::{Client, NfsError};
 use crate::block::BlockId;
+use crate::block::IdMap;
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
-use crate::store::posix::index::IdHasher;
-use crate::store::s3::shared::Breaker;
+use crate::store::remote::Breaker;
 use crate::store::safe_fs;
-
-type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
 
 /// An open temporary block file.
 pub enum TempFile {

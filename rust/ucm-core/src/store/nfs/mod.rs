@@ -7,7 +7,7 @@
 //! # Format and visibility
 //!
 //! Files are Posix block files at the Posix store's paths
-//! (`<root>/<2 hex>/<32 hex>`, see [`crate::store::s3::codec`]), so every
+//! (`<root>/<2 hex>/<32 hex>`, see [`crate::store::format::codec`]), so every
 //! load verifies header, layout fingerprint and checksum. A block is
 //! written into a temporary file next to its final name,
 //! `<32 hex>.tmp.<random writer token>.<seq>` (unique across machines, not
@@ -50,8 +50,6 @@ pub mod fs;
 
 pub use config::{MountOptions, NfsConfig, Target, KEYS};
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,16 +58,14 @@ use nfs3_client::nfs3_types::nfs3::writeverf3;
 use parking_lot::Mutex;
 
 use self::fs::{Fs, LocalFs, RemoteFs, TempFile};
+use super::format::codec::{block_key, encode_region, is_layout_mismatch};
+use super::remote::{run_blocking, Breaker, LookupCache, Runtime};
 use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
-use super::s3::codec::{block_key, encode_region, is_layout_mismatch};
-use super::s3::shared::{run_blocking, Breaker, LookupCache, Runtime};
+use crate::block::IdMap;
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
-use crate::store::posix::index::IdHasher;
-use crate::store::posix::layout::Layout;
-
-type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
+use crate::store::format::layout::Layout;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values};
 use crate::error::{Result, UcmError};
 use crate::io::IoEngineKind;
+use crate::store::format::layout::validate_geometry;
 
 /// The Posix stage's own keys (besides the geometry, `device_id` and
 /// `timeout_ms`).
@@ -65,10 +66,6 @@ pub const KEYS: &[Key] = &[
          instead of warning.",
     ),
 ];
-
-/// Most shards a block may have (the header stores the count as u32; this
-/// keeps the per-block bookkeeping small).
-pub const MAX_SHARDS: usize = 65_536;
 
 /// What a successful `wait()` of a dump guarantees about the disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -226,37 +223,6 @@ impl PosixConfig {
     pub fn transfers_enabled(&self) -> bool {
         self.device_id >= 0
     }
-}
-
-/// Checks a block geometry shared by every store that uses the block file
-/// format: shards divide the block, and the tensor sizes sum to a shard.
-/// Errors name the key and the values.
-pub fn validate_geometry(
-    block_size: usize,
-    shard_size: usize,
-    tensor_sizes: &[usize],
-) -> Result<()> {
-    if shard_size == 0 {
-        return Err(UcmError::invalid("shard_size: must be > 0"));
-    }
-    if block_size == 0 || block_size % shard_size != 0 {
-        return Err(UcmError::invalid(format!(
-            "block_size: {block_size} must be a positive multiple of shard_size {shard_size}"
-        )));
-    }
-    if block_size / shard_size > MAX_SHARDS {
-        return Err(UcmError::invalid(format!(
-            "block_size / shard_size = {} shards; at most {MAX_SHARDS} are supported",
-            block_size / shard_size
-        )));
-    }
-    let sum: usize = tensor_sizes.iter().sum();
-    if tensor_sizes.is_empty() || tensor_sizes.contains(&0) || sum != shard_size {
-        return Err(UcmError::invalid(format!(
-            "tensor_size_list: sizes {tensor_sizes:?} must be positive and sum to shard_size {shard_size} (they sum to {sum})"
-        )));
-    }
-    Ok(())
 }
 
 fn writable(dir: &std::path::Path) -> bool {

@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use super::config::Durability;
 use super::files::{make_private_dir, remove_entry, OpenFile};
-use super::layout::{checksum_segs, HEADER_LEN};
 use super::writer::{self, BlockWriter, Claim};
 use super::{evict, scan, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::{IoEngine, IoOp, IoRequest};
+use crate::store::format::layout::{checksum_segs, HEADER_LEN};
 use crate::task::Task;
 
 /// The code of [`UcmError::NotFound`].

@@ -5,36 +5,12 @@
 //! entry (an atomic store under the read lock, no list reshuffling), which
 //! is what the background evictor sorts by.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
 
-use crate::block::BlockId;
-
-/// Block ids are already uniform hashes: use their first 8 bytes as the
-/// hash instead of running SipHash over them again.
-#[derive(Default)]
-pub struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // `[u8; 16]` hashes as its length (usize) followed by the bytes.
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.0 ^= u64::from_le_bytes(b);
-        }
-    }
-    fn write_usize(&mut self, _n: usize) {}
-}
-
-type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
+use crate::block::{BlockId, IdMap};
 
 struct Entry {
     size: u64,

@@ -7,11 +7,11 @@
 use std::sync::Arc;
 
 use super::index;
-use super::layout::{checksum_segs, ShardHeader, HEADER_LEN};
 use super::{files, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::{IoEngine, IoOp, IoRequest};
+use crate::store::format::layout::{checksum_segs, ShardHeader, HEADER_LEN};
 use crate::task::Task;
 use std::sync::atomic::Ordering;
 

@@ -23,7 +23,6 @@ mod dump;
 mod evict;
 pub mod files;
 pub mod index;
-pub mod layout;
 mod load;
 pub mod scan;
 mod spare;
@@ -31,7 +30,7 @@ mod trust;
 mod work;
 mod writer;
 
-pub use config::{validate_geometry, Durability, PosixConfig, KEYS, MAX_SHARDS};
+pub use config::{Durability, PosixConfig, KEYS};
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,7 +41,6 @@ use parking_lot::{Condvar, Mutex};
 
 use self::files::{DirectAlign, Opener, Paths};
 use self::index::Index;
-use self::layout::{round_up, Layout, ShardHeader, REGION_ALIGN};
 use self::load::load_runs;
 use self::spare::SparePool;
 use self::writer::BlockWriter;
@@ -50,6 +48,7 @@ use super::Store;
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::{build_engine, AlignedBuf, IoEngine, IoEngineConfig};
+use crate::store::format::layout::{round_up, Layout, ShardHeader, REGION_ALIGN};
 use crate::task::{TaskId, TaskRegistry, WorkerPool};
 
 /// Counters of one store's activity since it was opened.
@@ -308,27 +307,7 @@ impl PosixStore {
                 "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
             ));
         }
-        let l = &self.shared.layout;
-        for (i, s) in shards.iter().enumerate() {
-            if s.index >= l.shard_count {
-                return Err(UcmError::invalid(format!(
-                    "shard_index[{i}] = {} is out of range: blocks have {} shard(s)",
-                    s.index, l.shard_count
-                )));
-            }
-            if s.len() != l.shard_size {
-                return Err(UcmError::invalid(format!(
-                    "shard {i} (block {}): tensors sum to {} bytes, expected shard_size {}",
-                    s.block,
-                    s.len(),
-                    l.shard_size
-                )));
-            }
-            if s.segs.iter().any(|g| g.addr == 0) {
-                return Err(UcmError::invalid(format!("shard {i}: null memory address")));
-            }
-        }
-        Ok(())
+        crate::store::format::codec::check_shards(&self.shared.layout, shards)
     }
 
     fn submit(&self, kind: &'static str, shards: Vec<ShardIo>) -> Result<TaskId> {

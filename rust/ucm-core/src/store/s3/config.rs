@@ -4,7 +4,7 @@ use std::fmt;
 
 use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values, MAX_TIMEOUT_MS};
 use crate::error::{Result, UcmError};
-use crate::store::posix::validate_geometry;
+use crate::store::format::layout::validate_geometry;
 
 const TTL: Kind = Kind::Int {
     min: 0,
@@ -97,7 +97,7 @@ pub const KEYS: &[Key] = &[
     ),
 ];
 
-use super::shared::expand_env;
+use crate::store::remote::expand_env;
 
 /// S3 store settings. Field names follow the config keys (`s3_*`).
 ///

@@ -55,14 +55,10 @@
 //! bucket or an unreachable endpoint fail `open` with a message naming the
 //! key. Credentials never appear in logs or errors.
 
-pub mod codec;
 pub mod config;
-pub mod shared;
 
 pub use config::{S3Config, S3Location, KEYS};
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,15 +72,14 @@ use object_store::{
 };
 use parking_lot::Mutex;
 
-use self::codec::{encode_region, is_layout_mismatch};
-use self::shared::{run_blocking, Breaker, LookupCache, Runtime};
 use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
+use crate::block::IdMap;
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::store::posix::index::IdHasher;
-use crate::store::posix::layout::Layout;
+use crate::store::format::codec::{encode_region, is_layout_mismatch};
+use crate::store::format::layout::Layout;
+use crate::store::remote::{run_blocking, Breaker, LookupCache, Runtime};
 
-type IdMap<V> = HashMap<BlockId, V, BuildHasherDefault<IdHasher>>;
 type Upload = SharedFuture<BoxFuture<'static, Result<()>>>;
 
 /// One block whose shards are being assembled.
@@ -275,7 +270,7 @@ impl RemoteStore<S3Backend> {
 
 impl S3Backend {
     fn path(&self, id: &BlockId) -> ObjPath {
-        let (dir, name) = codec::block_key(id);
+        let (dir, name) = crate::store::format::codec::block_key(id);
         self.prefix.clone().join(dir).join(name)
     }
 

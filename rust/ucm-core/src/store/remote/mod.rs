@@ -2,7 +2,7 @@
 //! not depend on where the blocks live: one [`RemoteStore`] shell over a
 //! [`RemoteBackend`] that knows how to probe, read and write block objects.
 //!
-//! Both tiers store a block as one Posix block file ([`codec`]) addressed
+//! Both tiers store a block in the shared block format ([`codec`]) addressed
 //! by its id, look blocks up with one bounded-concurrency probe per id
 //! behind a [`LookupCache`], load by reading the contiguous shards of a
 //! block in one request and verifying every shard before a byte reaches
@@ -12,7 +12,7 @@
 //! (staged and PUT whole, or assembled in a temporary file and renamed)
 //! and what closing must clean up are the backend's.
 //!
-//! [`codec`]: super::s3::codec
+//! [`codec`]: crate::store::format::codec
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,15 +21,21 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::s3::codec::{check_shards, decode_region, read_len, runs};
-use super::s3::shared::{
-    group_by_block, probe_all, probe_prefix, run_blocking, spawn_unit, Breaker, LookupCache,
-    Runtime, Unit,
-};
+pub mod breaker;
+pub mod env;
+pub mod lookup;
+pub mod runtime;
+
+pub use breaker::Breaker;
+pub use env::expand_env;
+pub use lookup::{group_by_block, probe_all, probe_prefix, LookupCache};
+pub use runtime::{run_blocking, spawn_unit, Runtime, Unit};
+
 use super::{Store, StoreStats};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::store::posix::layout::Layout;
+use crate::store::format::codec::{check_shards, decode_region, read_len, runs};
+use crate::store::format::Layout;
 use crate::task::{TaskId, TaskRegistry};
 
 /// Counters every remote tier reports (see [`RemoteStore::stats`]); the

@@ -1,8 +1,8 @@
-//! Shard regions in the Posix block format, built in and verified from
-//! memory (the remote stores move whole regions over the network).
+//! Shard regions of the block format, built in and verified from memory
+//! (the remote stores move whole regions over the network).
 //!
 //! A remote block is byte for byte a Posix block file (see
-//! [`crate::store::posix::layout`]): shard `i`'s region starts at
+//! [`super::layout`]): shard `i`'s region starts at
 //! `layout.offset(i)` and is a 4 KiB header (magic, version, block id,
 //! shard index and count, layout fingerprint, xxh3 of the data, xxh3 of the
 //! header) followed by the data padded to 4 KiB. So every load is guarded
@@ -13,7 +13,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::store::posix::layout::{Layout, ShardHeader, HEADER_LEN};
+use crate::store::format::layout::{Layout, ShardHeader, HEADER_LEN};
 
 /// Bytes of a region that a load must read: the header and the data
 /// (not the padding).

@@ -32,6 +32,41 @@ const VERSION: u32 = 1;
 /// Bytes of the header actually used (the rest of the 4 KiB is zero).
 const ENCODED_LEN: usize = 72;
 
+/// Most shards a block may have (the header stores the count as u32; this
+/// keeps the per-block bookkeeping small).
+pub const MAX_SHARDS: usize = 65_536;
+
+/// Checks a block geometry shared by every store that uses the block file
+/// format: shards divide the block, and the tensor sizes sum to a shard.
+/// Errors name the key and the values.
+pub fn validate_geometry(
+    block_size: usize,
+    shard_size: usize,
+    tensor_sizes: &[usize],
+) -> Result<()> {
+    if shard_size == 0 {
+        return Err(UcmError::invalid("shard_size: must be > 0"));
+    }
+    if block_size == 0 || block_size % shard_size != 0 {
+        return Err(UcmError::invalid(format!(
+            "block_size: {block_size} must be a positive multiple of shard_size {shard_size}"
+        )));
+    }
+    if block_size / shard_size > MAX_SHARDS {
+        return Err(UcmError::invalid(format!(
+            "block_size / shard_size = {} shards; at most {MAX_SHARDS} are supported",
+            block_size / shard_size
+        )));
+    }
+    let sum: usize = tensor_sizes.iter().sum();
+    if tensor_sizes.is_empty() || tensor_sizes.contains(&0) || sum != shard_size {
+        return Err(UcmError::invalid(format!(
+            "tensor_size_list: sizes {tensor_sizes:?} must be positive and sum to shard_size {shard_size} (they sum to {sum})"
+        )));
+    }
+    Ok(())
+}
+
 /// Rounds `n` up to a multiple of `align` (a power of two).
 pub fn round_up(n: usize, align: usize) -> usize {
     (n + align - 1) & !(align - 1)
