@@ -267,3 +267,156 @@ mod tests {
         assert!(wb.state.lock().dirty[&b].wanted);
     }
 }
+
+/// The write-back thread and `flush`, the parts of [`super::Inner`] that
+/// drain this map.
+mod thread {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::super::stats::add;
+    use super::super::{Inner, WriteBackPolicy, HOUSEKEEPING};
+    use super::backoff;
+    use crate::block::BlockId;
+    use crate::error::{Result, UcmError};
+
+    impl Inner {
+        pub(in crate::store::cache) fn write_back_loop(self: Arc<Self>) {
+            let interval = Duration::from_millis(self.cfg.write_back_interval_ms);
+            let max_backoff = Duration::from_millis(self.cfg.write_back_max_backoff_ms);
+            let lazy = self.cfg.write_back_policy == WriteBackPolicy::Lazy;
+            let batch = self.cfg.write_back_batch_size;
+            let mut last_housekeeping = Instant::now();
+            loop {
+                if self.cfg.share_buffer_enable && last_housekeeping.elapsed() >= HOUSEKEEPING {
+                    self.housekeep();
+                    last_housekeeping = Instant::now();
+                }
+                let (items, blocks, gen) = {
+                    let mut st = self.wb.state.lock();
+                    let now = Instant::now();
+                    let gen = st.flush_gen;
+                    let waiting = st
+                        .dirty
+                        .values()
+                        .filter(|e| !e.inflight && e.next_try <= now)
+                        .count();
+                    let mut next_wake = now + HOUSEKEEPING;
+                    let mut ready: Vec<(Instant, BlockId)> = Vec::new();
+                    for (b, e) in &st.dirty {
+                        if e.inflight {
+                            continue;
+                        }
+                        let flushing = e.tried_in_flush < gen;
+                        if !flushing && e.next_try > now {
+                            next_wake = next_wake.min(e.next_try);
+                            continue;
+                        }
+                        let due = flushing
+                            || e.wanted
+                            || (!lazy && (waiting >= batch || e.since + interval <= now));
+                        if due {
+                            ready.push((e.since, *b));
+                        } else if !lazy {
+                            next_wake = next_wake.min(e.since + interval);
+                        }
+                    }
+                    if ready.is_empty() {
+                        if st.stop {
+                            return;
+                        }
+                        self.wb.wake.wait_until(&mut st, next_wake);
+                        continue;
+                    }
+                    ready.sort_unstable_by_key(|(since, _)| *since);
+                    ready.truncate(batch);
+                    let mut items = Vec::new();
+                    let mut blocks = Vec::new();
+                    for (_, b) in ready {
+                        if let Some(e) = st.dirty.get_mut(&b) {
+                            e.inflight = true;
+                            items.extend(e.shards.iter().map(|(&sh, &slot)| (b, sh, slot)));
+                            blocks.push((b, e.shards.keys().copied().collect::<Vec<_>>()));
+                        }
+                    }
+                    (items, blocks, gen)
+                };
+                let res = self.write_blocks(&items);
+                if res.is_ok() {
+                    self.after_written(&items);
+                }
+                let mut st = self.wb.state.lock();
+                let now = Instant::now();
+                for (b, written) in blocks {
+                    let Some(e) = st.dirty.get_mut(&b) else {
+                        continue;
+                    };
+                    e.inflight = false;
+                    e.tried_in_flush = e.tried_in_flush.max(gen);
+                    match &res {
+                        Ok(()) => {
+                            for sh in written {
+                                e.shards.remove(&sh);
+                            }
+                            e.attempts = 0;
+                            e.last_error = None;
+                            e.wanted = false;
+                            if e.shards.is_empty() {
+                                st.dirty.remove(&b);
+                            }
+                        }
+                        Err(err) => {
+                            add(&self.c.write_back_failures, 1);
+                            e.attempts += 1;
+                            e.next_try = now + backoff(e.attempts, max_backoff);
+                            e.last_error = Some(err.clone());
+                        }
+                    }
+                }
+                if let Err(e) = &res {
+                    log::warn!(
+                    "write-back of {} shard(s) failed (kept dirty in the cache, will retry): {e}",
+                    items.len()
+                );
+                }
+                drop(st);
+                self.wb.progress.notify_all();
+            }
+        }
+
+        pub(in crate::store::cache) fn flush(&self) -> Result<()> {
+            let mut st = self.wb.state.lock();
+            st.flush_gen += 1;
+            let gen = st.flush_gen;
+            let keys: Vec<BlockId> = st.dirty.keys().copied().collect();
+            self.wb.wake.notify_all();
+            loop {
+                let pending = keys.iter().any(|k| {
+                    st.dirty
+                        .get(k)
+                        .is_some_and(|e| e.inflight || e.tried_in_flush < gen)
+                });
+                if !pending || st.stop {
+                    break;
+                }
+                self.wb
+                    .progress
+                    .wait_for(&mut st, Duration::from_millis(100));
+            }
+            let failed: Vec<&super::Entry> = keys.iter().filter_map(|k| st.dirty.get(k)).collect();
+            if failed.is_empty() {
+                return Ok(());
+            }
+            let first = failed
+                .iter()
+                .find_map(|e| e.last_error.clone())
+                .map_or_else(|| "not attempted".to_string(), |e| e.to_string());
+            Err(UcmError::TaskFailed(format!(
+                "flush: {} block(s) could not be written to the {} backend and stay dirty in \
+             the cache (retried with backoff); first error: {first}",
+                failed.len(),
+                self.backend.name()
+            )))
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! The write path (see the module docs of [`super`]): new shards copied
+//! into slots and queued for write-back per `write_back_policy`, shards
+//! without a slot written through to the backend.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::stats::add;
+use super::table::READY;
+use super::{
+    staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, COPY_JOB_BYTES, LOCK_CHUNK,
+};
+use crate::block::{BlockId, MemSeg, ShardIo};
+use crate::error::{Result, UcmError};
+use crate::task::TaskId;
+
+/// Work decided for one shard of a dump.
+pub(super) enum DumpPlan {
+    Cached,
+    Stage(ShardIo, u32),
+    Bypass(ShardIo),
+    Failed(UcmError),
+}
+
+impl Inner {
+    pub(super) fn dump(
+        self: &Arc<Self>,
+        rt: &Runtime,
+        shards: Vec<ShardIo>,
+        prerequisite: u64,
+    ) -> TaskId {
+        let n = shards.len();
+        let task = self.tasks.create("dump", n);
+        let ctx = TaskCtx::new(task.clone(), n, false);
+        add(&self.c.dump_shards, n as u64);
+        let sync = self.cfg.write_back_policy == WriteBackPolicy::Sync;
+        let mut plans = Vec::with_capacity(n);
+        let mut wanted = Vec::new();
+        let mut redirty = Vec::new();
+        let mut evictions = 0;
+        let mut it = shards.into_iter().peekable();
+        while it.peek().is_some() {
+            let chunk: Vec<ShardIo> = it.by_ref().take(LOCK_CHUNK).collect();
+            let mut g = match self.table.lock() {
+                Ok(g) => g,
+                Err(e) => {
+                    plans.extend(chunk.iter().map(|_| DumpPlan::Failed(e.clone())));
+                    continue;
+                }
+            };
+            for s in chunk {
+                let shard = s.index as u32;
+                match g.find(&s.block, shard) {
+                    Some(slot) => {
+                        let m = g.meta(slot);
+                        // Content-addressed: a ready copy holds these bytes.
+                        // A dirty one is on its way to the backend. A clean
+                        // one was written back, but the backend may have
+                        // evicted it since, and this dump must be loadable
+                        // after the cache drops its copy: write it back
+                        // again (a backend that still has it only notes the
+                        // dump). A sync dump must not return before the
+                        // backend has it, and a shard being filled may yet
+                        // fail.
+                        if m.state == READY && !sync {
+                            if m.dirty == 0 {
+                                g.mark_dirty(slot);
+                                redirty.push((s.block, shard, slot));
+                            }
+                            plans.push(DumpPlan::Cached);
+                        } else {
+                            plans.push(DumpPlan::Bypass(s));
+                        }
+                    }
+                    None => {
+                        match g.alloc(&s.block, shard, &mut |_, m| wanted.push(BlockId(m.block))) {
+                            Some(a) => {
+                                evictions += u64::from(a.evicted);
+                                plans.push(DumpPlan::Stage(s, a.slot));
+                            }
+                            None => plans.push(DumpPlan::Bypass(s)),
+                        }
+                    }
+                }
+            }
+        }
+        add(&self.c.evictions, evictions);
+        self.wb.add(&redirty, false);
+        self.lazy_want(wanted);
+        let (mut stage, mut bypass) = (vec![], vec![]);
+        for p in plans {
+            match p {
+                DumpPlan::Cached => {
+                    add(&self.c.dump_dedup, 1);
+                    ctx.done(&self.c, Ok(()));
+                }
+                DumpPlan::Stage(s, slot) => stage.push((s, slot)),
+                DumpPlan::Bypass(s) => bypass.push(s),
+                DumpPlan::Failed(e) => ctx.done(&self.c, Err(e)),
+            }
+        }
+        let per_job = (COPY_JOB_BYTES / self.cfg.shard_size.max(1)).max(1);
+        while !stage.is_empty() {
+            let rest = stage.split_off(stage.len().min(per_job));
+            let job = std::mem::replace(&mut stage, rest);
+            let (me, ctx2) = (self.clone(), ctx.clone());
+            let units = job.len();
+            let ok = rt
+                .copy
+                .spawn(move || me.stage_dump(&ctx2, job, prerequisite));
+            if !ok {
+                // Unreachable in practice (the pool lives until close); the
+                // slots stay FILLING until the table is dropped.
+                for _ in 0..units {
+                    ctx.done(&self.c, Err(UcmError::Closed));
+                }
+            }
+        }
+        if !bypass.is_empty() {
+            add(&self.c.bypass_dumps, bypass.len() as u64);
+            let (me, ctx2) = (self.clone(), ctx.clone());
+            let units = bypass.len();
+            self.spawn_or_fail(&rt.waits, &ctx, units, move || {
+                me.bypass_dump(&ctx2, bypass, prerequisite)
+            });
+        }
+        task.id()
+    }
+
+    pub(super) fn stage_dump(&self, ctx: &TaskCtx, items: Vec<(ShardIo, u32)>, prerequisite: u64) {
+        let mut results = Vec::with_capacity(items.len());
+        for (s, slot) in &items {
+            if ctx.task.should_skip() {
+                results.push(None);
+                continue;
+            }
+            // SAFETY: the slot is FILLING and owned by this task (pinned, in
+            // nobody's read path), with shard_size bytes; the caller's
+            // segments are readable until its task completes.
+            let r = unsafe {
+                self.transport
+                    .copy_in(self.table.data(*slot), &s.segs, prerequisite)
+            };
+            results.push(Some(r));
+        }
+        let mut dirty = Vec::new();
+        if let Ok(mut g) = self.table.lock() {
+            for ((s, slot), r) in items.iter().zip(&results) {
+                if matches!(r, Some(Ok(()))) {
+                    g.fill_done(*slot, true);
+                    dirty.push((s.block, s.index as u32, *slot));
+                } else {
+                    g.drop_entry(*slot);
+                }
+                g.unpin(*slot);
+            }
+        }
+        add(
+            &self.c.bytes_dumped_l1,
+            (dirty.len() * self.cfg.shard_size) as u64,
+        );
+        let wb_result = match self.cfg.write_back_policy {
+            WriteBackPolicy::Sync if !dirty.is_empty() => {
+                let r = self.write_blocks(&dirty);
+                match &r {
+                    Ok(()) => self.after_written(&dirty),
+                    Err(e) => {
+                        add(&self.c.write_back_failures, distinct_blocks(&dirty));
+                        self.wb.add_failed(
+                            &dirty,
+                            e,
+                            Duration::from_millis(self.cfg.write_back_max_backoff_ms),
+                        );
+                    }
+                }
+                r
+            }
+            WriteBackPolicy::Sync => Ok(()),
+            _ => {
+                self.wb.add(&dirty, false);
+                Ok(())
+            }
+        };
+        for r in results {
+            match r {
+                None => ctx.skip(&self.c),
+                Some(Ok(())) => ctx.done(&self.c, wb_result.clone()),
+                Some(Err(e)) => ctx.done(&self.c, Err(e)),
+            }
+        }
+    }
+
+    pub(super) fn bypass_dump(&self, ctx: &TaskCtx, items: Vec<ShardIo>, prerequisite: u64) {
+        let n = items.len();
+        let res = (|| {
+            let mut bufs = Vec::with_capacity(n);
+            for s in &items {
+                let mut b = staging(self.cfg.shard_size)?;
+                // SAFETY: `b` has shard_size bytes we own; the caller's
+                // segments (shard_size in total, checked at submit) are
+                // readable until its task completes.
+                unsafe {
+                    self.transport
+                        .copy_in(b.as_mut_ptr(), &s.segs, prerequisite)?
+                };
+                bufs.push(b);
+            }
+            let shards = items
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(s, b)| ShardIo {
+                    block: s.block,
+                    index: s.index,
+                    segs: vec![MemSeg {
+                        addr: b.as_mut_ptr() as usize,
+                        len: self.cfg.shard_size,
+                    }],
+                })
+                .collect();
+            let r = self
+                .backend
+                .dump(shards, 0)
+                .and_then(|t| self.backend.wait(t));
+            drop(bufs);
+            r
+        })();
+        if res.is_ok() {
+            add(&self.c.bytes_dumped_l2, (n * self.cfg.shard_size) as u64);
+        }
+        for _ in 0..n {
+            ctx.done(&self.c, res.clone());
+        }
+    }
+
+    /// Writes dirty slots (block, shard, slot) to the backend and waits.
+    pub(super) fn write_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
+        let shards = items
+            .iter()
+            .map(|&(block, shard, slot)| ShardIo {
+                block,
+                index: shard as usize,
+                segs: vec![self.slot_seg(slot)],
+            })
+            .collect();
+        let r = self
+            .backend
+            .dump(shards, 0)
+            .and_then(|t| self.backend.wait(t));
+        if r.is_ok() {
+            add(
+                &self.c.bytes_dumped_l2,
+                (items.len() * self.cfg.shard_size) as u64,
+            );
+            add(&self.c.write_back_blocks, distinct_blocks(items));
+        }
+        r
+    }
+
+    /// The backend has these slots' bytes: clean them, and drop them if
+    /// the fill policy does not keep dumped blocks.
+    pub(super) fn after_written(&self, items: &[(BlockId, u32, u32)]) {
+        let keep = self.cfg.fill_policy != FillPolicy::NoAllocate;
+        if let Ok(mut g) = self.table.lock() {
+            for &(_, _, slot) in items {
+                g.mark_clean(slot);
+                if !keep {
+                    g.drop_entry(slot);
+                }
+            }
+        }
+    }
+}
+
+pub(super) fn distinct_blocks(items: &[(BlockId, u32, u32)]) -> u64 {
+    let mut b: Vec<BlockId> = items.iter().map(|i| i.0).collect();
+    b.sort_unstable();
+    b.dedup();
+    b.len() as u64
+}

@@ -1,0 +1,296 @@
+//! The read path (see the module docs of [`super`]): hits copied out,
+//! concurrent fills waited for, misses filled from the backend in one
+//! request per task, bypasses through staging buffers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::stats::add;
+use super::table::{FILLING, FREE, READY};
+use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, COPY_JOB_BYTES, LOCK_CHUNK};
+use crate::block::{BlockId, MemSeg, ShardIo};
+use crate::error::{Result, UcmError};
+use crate::io::AlignedBuf;
+use crate::task::TaskId;
+
+/// Work decided for one shard of a load.
+pub(super) enum LoadPlan {
+    Hit(ShardIo, u32),
+    Wait(ShardIo, u32),
+    Fill(ShardIo, u32),
+    Bypass(ShardIo),
+    Failed(UcmError),
+}
+
+impl Inner {
+    pub(super) fn plan_load(&self, shards: Vec<ShardIo>) -> (Vec<LoadPlan>, Vec<BlockId>) {
+        let fill = self.cfg.fill_policy == FillPolicy::ReadAllocate;
+        let mut plans = Vec::with_capacity(shards.len());
+        let mut wanted = Vec::new();
+        let mut evictions = 0;
+        let mut it = shards.into_iter().peekable();
+        while it.peek().is_some() {
+            let chunk: Vec<ShardIo> = it.by_ref().take(LOCK_CHUNK).collect();
+            let mut g = match self.table.lock() {
+                Ok(g) => g,
+                Err(e) => {
+                    plans.extend(chunk.iter().map(|_| LoadPlan::Failed(e.clone())));
+                    continue;
+                }
+            };
+            for s in chunk {
+                let shard = s.index as u32;
+                if let Some(slot) = g.find(&s.block, shard) {
+                    g.pin(slot);
+                    if g.meta(slot).state == READY {
+                        g.access(slot);
+                        plans.push(LoadPlan::Hit(s, slot));
+                    } else {
+                        plans.push(LoadPlan::Wait(s, slot));
+                    }
+                } else if fill {
+                    match g.alloc(&s.block, shard, &mut |_, m| wanted.push(BlockId(m.block))) {
+                        Some(a) => {
+                            evictions += u64::from(a.evicted);
+                            plans.push(LoadPlan::Fill(s, a.slot));
+                        }
+                        None => plans.push(LoadPlan::Bypass(s)),
+                    }
+                } else {
+                    plans.push(LoadPlan::Bypass(s));
+                }
+            }
+        }
+        add(&self.c.evictions, evictions);
+        (plans, wanted)
+    }
+
+    pub(super) fn load(self: &Arc<Self>, rt: &Runtime, shards: Vec<ShardIo>) -> TaskId {
+        let n = shards.len();
+        let task = self.tasks.create("load", n);
+        let ctx = TaskCtx::new(task.clone(), n, true);
+        add(&self.c.load_shards, n as u64);
+        let (plans, wanted) = self.plan_load(shards);
+        self.lazy_want(wanted);
+        let (mut hits, mut waits, mut fills, mut bypass) = (vec![], vec![], vec![], vec![]);
+        for p in plans {
+            match p {
+                LoadPlan::Hit(s, slot) => hits.push((s, slot)),
+                LoadPlan::Wait(s, slot) => waits.push((s, slot)),
+                LoadPlan::Fill(s, slot) => fills.push((s, slot)),
+                LoadPlan::Bypass(s) => bypass.push(s),
+                LoadPlan::Failed(e) => ctx.done(&self.c, Err(e)),
+            }
+        }
+        add(&self.c.l1_hits, hits.len() as u64);
+        let per_job = (COPY_JOB_BYTES / self.cfg.shard_size.max(1)).max(1);
+        while !hits.is_empty() {
+            let rest = hits.split_off(hits.len().min(per_job));
+            let job = std::mem::replace(&mut hits, rest);
+            let (me, ctx2) = (self.clone(), ctx.clone());
+            let units = job.len();
+            self.spawn_or_fail(&rt.copy, &ctx, units, move || me.copy_out_hits(&ctx2, job));
+        }
+        for (s, slot) in waits {
+            let (me, ctx2) = (self.clone(), ctx.clone());
+            self.spawn_or_fail(&rt.copy, &ctx, 1, move || me.wait_for_fill(&ctx2, s, slot));
+        }
+        if !fills.is_empty() {
+            add(&self.c.fills, fills.len() as u64);
+            let shards: Vec<ShardIo> = fills
+                .iter()
+                .map(|(s, slot)| ShardIo {
+                    block: s.block,
+                    index: s.index,
+                    segs: vec![self.slot_seg(*slot)],
+                })
+                .collect();
+            let unwritten = self.wb.dirty_among(fills.iter().map(|(s, _)| &s.block));
+            let (me, ctx2) = (self.clone(), ctx.clone());
+            let n = fills.len();
+            if unwritten.is_empty() {
+                let submitted = self.backend.load(shards);
+                self.spawn_or_fail(&rt.waits, &ctx, n, move || {
+                    me.finish_fill(&ctx2, submitted, fills)
+                });
+            } else {
+                self.spawn_or_fail(&rt.waits, &ctx, n, move || {
+                    me.wb.settle(&unwritten, me.deadline(&ctx2));
+                    let submitted = me.backend.load(shards);
+                    me.finish_fill(&ctx2, submitted, fills)
+                });
+            }
+        }
+        if !bypass.is_empty() {
+            add(&self.c.bypass_loads, bypass.len() as u64);
+            let (me, ctx2) = (self.clone(), ctx.clone());
+            let n = bypass.len();
+            self.spawn_or_fail(&rt.waits, &ctx, n, move || me.bypass_load(&ctx2, bypass));
+        }
+        task.id()
+    }
+
+    pub(super) fn copy_out_hits(&self, ctx: &TaskCtx, items: Vec<(ShardIo, u32)>) {
+        let mut outcomes = Vec::with_capacity(items.len());
+        for (s, slot) in &items {
+            if ctx.task.should_skip() {
+                outcomes.push(None);
+                continue;
+            }
+            // SAFETY: the slot is READY (immutable) and pinned by us, so it
+            // holds shard_size valid bytes until we unpin; the caller
+            // guarantees its segments are writable until the task completes,
+            // which happens after this copy.
+            let r = unsafe { self.transport.copy_out(self.table.data(*slot), &s.segs) };
+            if r.is_ok() {
+                add(&self.c.bytes_loaded_l1, self.cfg.shard_size as u64);
+            }
+            outcomes.push(Some(r));
+        }
+        self.unpin_all(items.iter().map(|(_, slot)| *slot));
+        for o in outcomes {
+            match o {
+                Some(r) => ctx.done(&self.c, r),
+                None => ctx.skip(&self.c),
+            }
+        }
+    }
+
+    pub(super) fn wait_for_fill(self: &Arc<Self>, ctx: &TaskCtx, s: ShardIo, slot: u32) {
+        add(&self.c.fill_waits, 1);
+        let mut pause = Duration::from_micros(20);
+        let mut polls = 0u32;
+        loop {
+            let state = match self.table.lock() {
+                Ok(mut g) => {
+                    let st = g.meta(slot).state;
+                    if st == READY {
+                        g.access(slot);
+                    }
+                    st
+                }
+                Err(e) => {
+                    ctx.done(&self.c, Err(e));
+                    return;
+                }
+            };
+            match state {
+                READY => {
+                    add(&self.c.l1_hits, 1);
+                    self.copy_out_hits(ctx, vec![(s, slot)]);
+                    return;
+                }
+                FILLING => {
+                    if ctx.task.should_skip() {
+                        self.unpin_all([slot]);
+                        ctx.skip(&self.c);
+                        return;
+                    }
+                    polls += 1;
+                    if polls % 4096 == 0 {
+                        // The filler may be another process that died.
+                        self.housekeep();
+                    }
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(1));
+                }
+                _ => {
+                    // The fill we waited for failed: read it ourselves, so
+                    // the caller gets the backend's own answer.
+                    debug_assert_eq!(state, FREE);
+                    self.unpin_all([slot]);
+                    add(&self.c.bypass_loads, 1);
+                    self.bypass_load(ctx, vec![s]);
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(super) fn finish_fill(
+        &self,
+        ctx: &TaskCtx,
+        submitted: Result<TaskId>,
+        fills: Vec<(ShardIo, u32)>,
+    ) {
+        let res = submitted.and_then(|t| self.backend.wait(t));
+        if let Ok(mut g) = self.table.lock() {
+            for (_, slot) in &fills {
+                if res.is_ok() {
+                    g.fill_done(*slot, false);
+                } else {
+                    g.drop_entry(*slot);
+                }
+            }
+        }
+        match res {
+            Ok(()) => {
+                let n = fills.len() as u64;
+                add(&self.c.l2_hits, n);
+                add(&self.c.bytes_loaded_l2, n * self.cfg.shard_size as u64);
+                self.copy_out_hits(ctx, fills);
+            }
+            Err(e) => {
+                add(&self.c.l2_misses, fills.len() as u64);
+                self.unpin_all(fills.iter().map(|(_, slot)| *slot));
+                for _ in &fills {
+                    ctx.done(&self.c, Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Loads shards through staging buffers, straight from the backend.
+    pub(super) fn bypass_load(&self, ctx: &TaskCtx, items: Vec<ShardIo>) {
+        let n = items.len();
+        let unwritten = self.wb.dirty_among(items.iter().map(|s| &s.block));
+        if !unwritten.is_empty() {
+            self.wb.settle(&unwritten, self.deadline(ctx));
+        }
+        let bufs: Result<Vec<AlignedBuf>> = (0..n).map(|_| staging(self.cfg.shard_size)).collect();
+        let mut bufs = match bufs {
+            Ok(b) => b,
+            Err(e) => {
+                for _ in 0..n {
+                    ctx.done(&self.c, Err(e.clone()));
+                }
+                return;
+            }
+        };
+        let shards = items
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(s, b)| ShardIo {
+                block: s.block,
+                index: s.index,
+                segs: vec![MemSeg {
+                    addr: b.as_mut_ptr() as usize,
+                    len: self.cfg.shard_size,
+                }],
+            })
+            .collect();
+        let res = self.backend.load(shards).and_then(|t| self.backend.wait(t));
+        match res {
+            Ok(()) => {
+                add(&self.c.l2_hits, n as u64);
+                add(&self.c.bytes_loaded_l2, (n * self.cfg.shard_size) as u64);
+                for (s, b) in items.iter().zip(&bufs) {
+                    if ctx.task.should_skip() {
+                        ctx.skip(&self.c);
+                        continue;
+                    }
+                    // SAFETY: `b` holds shard_size bytes we own; the caller's
+                    // segments are writable until its task completes.
+                    let r = unsafe { self.transport.copy_out(b.as_ptr(), &s.segs) };
+                    ctx.done(&self.c, r);
+                }
+            }
+            Err(e) => {
+                add(&self.c.l2_misses, n as u64);
+                for _ in 0..n {
+                    ctx.done(&self.c, Err(e.clone()));
+                }
+            }
+        }
+    }
+}

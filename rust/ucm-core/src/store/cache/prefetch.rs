@@ -1,0 +1,82 @@
+//! Prefetch: blocks about to be loaded are filled into the cache from the
+//! backend in the background.
+
+use super::stats::add;
+use super::Inner;
+use crate::block::{BlockId, ShardIo};
+
+impl Inner {
+    pub(super) fn prefetch(&self, ids: Vec<BlockId>) {
+        let missing: Vec<BlockId> = match self.table.lock() {
+            Ok(g) => ids
+                .into_iter()
+                .filter(|id| !self.block_cached(&g, id))
+                .collect(),
+            Err(_) => return,
+        };
+        if missing.is_empty() {
+            return;
+        }
+        let present = match self.backend.lookup(&missing) {
+            Ok(p) => p,
+            Err(e) => {
+                log::debug!("prefetch: backend lookup failed: {e}");
+                return;
+            }
+        };
+        let mut fills = Vec::new();
+        let mut wanted = Vec::new();
+        if let Ok(mut g) = self.table.lock() {
+            'blocks: for (id, here) in missing.iter().zip(present) {
+                if !here {
+                    continue;
+                }
+                for shard in 0..self.shard_count as u32 {
+                    if g.find(id, shard).is_some() {
+                        continue;
+                    }
+                    match g.alloc(id, shard, &mut |_, m| wanted.push(BlockId(m.block))) {
+                        Some(a) => {
+                            add(&self.c.evictions, u64::from(a.evicted));
+                            fills.push((*id, shard, a.slot));
+                        }
+                        None => break 'blocks,
+                    }
+                }
+            }
+        }
+        self.lazy_want(wanted);
+        if fills.is_empty() {
+            return;
+        }
+        let shards = fills
+            .iter()
+            .map(|&(block, shard, slot)| ShardIo {
+                block,
+                index: shard as usize,
+                segs: vec![self.slot_seg(slot)],
+            })
+            .collect();
+        let res = self.backend.load(shards).and_then(|t| self.backend.wait(t));
+        if let Ok(mut g) = self.table.lock() {
+            for &(_, _, slot) in &fills {
+                if res.is_ok() {
+                    g.fill_done(slot, false);
+                } else {
+                    g.drop_entry(slot);
+                }
+                g.unpin(slot);
+            }
+        }
+        match res {
+            Ok(()) => {
+                add(&self.c.prefetch_shards, fills.len() as u64);
+                add(
+                    &self.c.bytes_loaded_l2,
+                    (fills.len() * self.cfg.shard_size) as u64,
+                );
+            }
+            Err(e) => log::debug!("prefetch of {} shard(s) failed: {e}", fills.len()),
+        }
+    }
+}
