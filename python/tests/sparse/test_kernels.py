@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from kernel_checks import assert_close
+from support.kernel_checks import assert_close
 
 from ucm.sparse import ops
 from ucm.sparse.layout import cpu_kv_cache_views

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_checks import assert_close
-from offload_sim import run_offload_sim
+from support.kernel_checks import assert_close
+from support.offload_sim import run_offload_sim
 
 from ucm.sparse import INVALID_SLOT, ESAConfig, GSAConfig, KVStarConfig, SparseModelInfo, ops
 from ucm.sparse import UcmSparseRole as Role

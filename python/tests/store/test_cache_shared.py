@@ -17,16 +17,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from store_helpers import SHARD, SHARDS, base_config
+from support.store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import InvalidParamError, UcmConnectorFactory
 
-TESTS = str(Path(__file__).parent)
+#: The child imports this module (its folder) and ``support`` (the tests folder).
+CHILD_PATH = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 
 CHILD = textwrap.dedent(
     """
     import json, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {path!r}
     from test_cache_shared import shared_cfg, content, rows, bid
     import numpy as np
     from ucm.store import UcmConnectorFactory
@@ -55,7 +56,7 @@ CHILD = textwrap.dedent(
         store._native._debug_hold_lock_forever()
     store.close()
     """
-).format(tests=TESTS, shard=SHARD, shards=SHARDS)
+).format(path=CHILD_PATH, shard=SHARD, shards=SHARDS)
 
 
 def content(b: bytes, shard: int) -> np.ndarray:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from store_helpers import SHARD, SHARDS, base_config
+from support.store_helpers import SHARD, SHARDS, base_config
 
 from ucm.shared.config import ConfigError
 from ucm.store import (

@@ -37,8 +37,6 @@ import pytest
 
 from ucm.integration.vllm.worker import rank_keys
 
-pytestmark = pytest.mark.vllm
-
 BS = 32
 MAX_TOKENS = 8
 LAYERS, HEADS, KV_HEADS, HIDDEN = 3, 8, 4, 256

@@ -26,8 +26,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.vllm
-
 BS = 32
 MAX_TOKENS = 8
 

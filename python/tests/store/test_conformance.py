@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from store_helpers import SHARD, SHARDS, base_config
+from support.store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import (
     BlockNotFoundError,
@@ -52,7 +52,7 @@ CACHE_KEYS = {"cache_buffer_capacity_gb": 0.02, "write_back_interval": 0.01}
 
 @pytest.fixture(scope="module", autouse=True)
 def _register_python_store() -> Iterator[None]:
-    UcmConnectorFactory.register_connector("TestDictStore", "py_stores", "DictStore")
+    UcmConnectorFactory.register_connector("TestDictStore", "support.py_stores", "DictStore")
     yield
     UcmConnectorFactory.unregister_connector("TestDictStore")
 

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from py_stores import DictStore
-from store_helpers import SHARD, SHARDS, base_config
+from support.py_stores import DictStore
+from support.store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import (
     BlockNotFoundError,

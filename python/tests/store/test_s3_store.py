@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
-from servers import DelayProxy, MotoServer, free_port
+from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.servers import DelayProxy, MotoServer, free_port
 
 from ucm.shared.config import ConfigError
 from ucm.store import (
@@ -114,7 +114,7 @@ WRITER = textwrap.dedent(
     import json, sys
     import numpy as np
     sys.path.insert(0, sys.argv[2])
-    from test_s3_store import dump
+    from support.remote_helpers import dump
     from ucm.store import UcmConnectorFactory
     cfg = json.loads(sys.argv[1])
     store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
@@ -130,9 +130,9 @@ def test_two_nodes_share_one_bucket(moto: MotoServer) -> None:
     unchanged, by another process with its own cache."""
     bucket = moto.create_bucket()
     cfg = s3_config(moto, bucket, store_pipeline="Cache|S3")
-    here = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])  # for ``support``
     out = subprocess.run(
-        [sys.executable, "-c", WRITER, json.dumps(cfg), here, "11,12,13"],
+        [sys.executable, "-c", WRITER, json.dumps(cfg), tests, "11,12,13"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -310,11 +310,12 @@ def test_config_validation_names_the_key() -> None:
         PipelineStoreConfig.from_dict({**base, "storage_backends": ["s3://a/b", "s3://c/d"]})
 
 
+@pytest.mark.vllm  # starts vLLM engines: the slow tier
 def test_two_vllm_engines_share_a_bucket(moto: MotoServer, tmp_path: Path) -> None:
     """Two vLLM engines in their own processes over ``Cache|S3``: blocks
     saved by the first are hit by the second, with unchanged tokens."""
     pytest.importorskip("vllm")
-    from servers import vllm_two_engines
+    from support.servers import vllm_two_engines
 
     bucket = moto.create_bucket()
     ucm = {

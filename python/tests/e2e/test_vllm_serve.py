@@ -19,9 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from ucm_vllm_testing import ROOT, engine_env
-
-pytestmark = pytest.mark.vllm
+from support.engines import ROOT, engine_env
 
 PROMPT = (
     "the cache of keys and values is stored on disk so that a later request with the same "

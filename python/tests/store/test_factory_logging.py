@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_helpers import SHARD, base_config
+from support.store_helpers import SHARD, base_config
 
 from ucm.store import InvalidParamError, UcmConnectorFactory, UcmKVStoreBase
 
 
 def test_builtin_and_user_stores_come_from_one_factory(tmp_path: Path) -> None:
     assert "UcmPipelineStore" in UcmConnectorFactory.registered()
-    UcmConnectorFactory.register_connector("MyDictStore", "py_stores", "DictStore")
+    UcmConnectorFactory.register_connector("MyDictStore", "support.py_stores", "DictStore")
     try:
         with pytest.raises(ValueError, match="already registered"):
-            UcmConnectorFactory.register_connector("MyDictStore", "py_stores", "DictStore")
+            UcmConnectorFactory.register_connector("MyDictStore", "support.py_stores", "DictStore")
         one_shard = base_config(tmp_path, block_size=SHARD, tensor_size_list=[SHARD])
         user = UcmConnectorFactory.create_connector("MyDictStore", one_shard)
         builtin = UcmConnectorFactory.create_connector("UcmPipelineStore", one_shard)
@@ -40,7 +40,7 @@ def test_factory_errors_name_the_problem() -> None:
     with pytest.raises(InvalidParamError, match=r"unknown store 'Nope'.*UcmPipelineStore"):
         UcmConnectorFactory.create_connector("Nope", {})
     UcmConnectorFactory.register_connector("NotAStore", "pathlib", "Path")
-    UcmConnectorFactory.register_connector("Missing", "py_stores", "NoSuchClass")
+    UcmConnectorFactory.register_connector("Missing", "support.py_stores", "NoSuchClass")
     try:
         with pytest.raises(InvalidParamError, match="not a UcmKVStoreBase subclass"):
             UcmConnectorFactory.create_connector("NotAStore", {})
@@ -56,7 +56,7 @@ LOGGING_SCRIPT = textwrap.dedent(
     import logging, sys
     sys.path.insert(0, {tests!r})
     from pathlib import Path
-    from store_helpers import base_config
+    from support.store_helpers import base_config
     from ucm.store import UcmConnectorFactory
     print("level", logging.getLevelName(logging.getLogger("ucm").level), flush=True)
     s = UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(Path({root!r})))
@@ -68,7 +68,7 @@ LOGGING_SCRIPT = textwrap.dedent(
 def run_with_level(tmp_path: Path, level: str) -> subprocess.CompletedProcess[str]:
     root = tmp_path / f"store-{level}"
     root.mkdir()
-    code = LOGGING_SCRIPT.format(tests=str(Path(__file__).parent), root=str(root))
+    code = LOGGING_SCRIPT.format(tests=str(Path(__file__).parents[1]), root=str(root))
     env = {**os.environ, "UNIFIED_CACHE_LOG_LEVEL": level}
     return subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
-from servers import NfsServer
+from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.servers import NfsServer
 
 from ucm.shared.config import ConfigError
 from ucm.store import (
@@ -129,7 +129,7 @@ WRITER = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, sys.argv[2])
-    from test_nfs_store import dump
+    from support.remote_helpers import dump
     from ucm.store import UcmConnectorFactory
     store = UcmConnectorFactory.create_connector("UcmPipelineStore", json.loads(sys.argv[1]))
     dump(store, [int(x) for x in sys.argv[3].split(",")])
@@ -141,9 +141,9 @@ WRITER = textwrap.dedent(
 
 def test_two_nodes_share_one_export(nfs: NfsServer) -> None:
     cfg = nfs_config(nfs.url("shared"), store_pipeline="Cache|NFS")
-    here = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])  # for ``support``
     out = subprocess.run(
-        nfs.nsenter([sys.executable, "-c", WRITER, json.dumps(cfg), here, "11,12,13"]),
+        nfs.nsenter([sys.executable, "-c", WRITER, json.dumps(cfg), tests, "11,12,13"]),
         capture_output=True,
         text=True,
         timeout=60,
@@ -264,12 +264,13 @@ def test_config_validation() -> None:
             PipelineStoreConfig.from_dict({**base, **bad})
 
 
+@pytest.mark.vllm  # starts vLLM engines: the slow tier
 def test_two_vllm_engines_share_an_export(nfs: NfsServer, tmp_path: Path) -> None:
     """Two vLLM engines in their own processes over ``Cache|NFS`` (started
     inside the server's network namespace): blocks saved by the first are
     hit by the second, with unchanged tokens."""
     pytest.importorskip("vllm")
-    from servers import vllm_two_engines
+    from support.servers import vllm_two_engines
 
     ucm = {
         "store_pipeline": "Cache|NFS",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from store_helpers import SHARD, SHARDS, base_config
+from support.store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import CorruptBlockError, UcmConnectorFactory
 
@@ -74,9 +74,9 @@ def test_many_threads_load_and_dump_overlapping_ids(make_store, engine: str) -> 
 WRITER = textwrap.dedent(
     """
     import sys, itertools
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{here!r}, {tests!r}]
     from test_store_stress import dump_block
-    from store_helpers import base_config
+    from support.store_helpers import base_config
     from pathlib import Path
     from ucm.store import UcmConnectorFactory
     # A capacity bounds the disk the writer fills before it is killed (it
@@ -104,7 +104,12 @@ WRITER = textwrap.dedent(
 def test_sigkill_during_dumps_leaves_only_whole_blocks(tmp_path: Path, engine: str) -> None:
     root = tmp_path / "store"
     root.mkdir()
-    code = WRITER.format(tests=str(Path(__file__).parent), root=str(root), engine=engine)
+    code = WRITER.format(
+        here=str(Path(__file__).parent),
+        tests=str(Path(__file__).parents[1]),
+        root=str(root),
+        engine=engine,
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "ready"
