@@ -28,12 +28,12 @@ that match full prefill's continuation.
 Backends (``--backend``):
 
 * ``ref`` (default, runs anywhere): the torch reference stack
-  :mod:`ucm.sparse.blend.refmodel` (vLLM's CPU KV layout, random weights,
+  :mod:`ucm.testing.refmodel` (vLLM's CPU KV layout, random weights,
   ``--impl torch`` or ``triton``/``auto`` on a GPU);
 * ``vllm`` (``--vllm``): real vLLM engines (CPU build here; any build with
   ``enforce_eager``, prefix caching off) on a random-weight Llama of the
-  same shape written by :mod:`ucm.integration.vllm.tiny_model`, one engine
-  per process (:mod:`ucm.sparse.blend.vllm_child`). The reference outputs
+  same shape written by :mod:`ucm.testing.tiny_model`, one engine
+  per process (:mod:`ucm.testing.vllm_child`). The reference outputs
   come from vLLM without a connector; an engine with the UCM connector fills
   a Posix store by serving every pool chunk alone. Then one engine per ratio
   with ``ucm_sparse_config: {Blend: {blend_recompute_ratio: r}}``
@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend import Blend, BlendConfig
 from ucm.sparse.blend import ops as blend_ops
-from ucm.sparse.blend import refmodel as rm
+from ucm.testing import refmodel as rm
 
 END = 3  # chunk-end token (the tiny vocab's <pad>)
 
@@ -230,8 +230,8 @@ def run_vllm(args: argparse.Namespace) -> list[dict]:
     """The ``vllm`` backend (see the module doc)."""
     import tempfile
 
-    from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
-    from ucm.sparse.blend.vllm_child import run_child
+    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.testing.vllm_child import run_child
 
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ucm-blend-bench-"))
     spec = TinyModelSpec(

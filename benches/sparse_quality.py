@@ -30,12 +30,12 @@ Case sources (``--source``, repeatable):
 * ``planted-sharp``: the same with strong boosts (6-8 logits on half of
   each block's keys): attention concentrates on the planted blocks;
 * ``random-llama``: q/k/v captured from a small random-weight Llama-style
-  decoder in plain torch (:func:`ucm.sparse.synthetic.random_llama_case`);
+  decoder in plain torch (:func:`ucm.testing.synthetic.random_llama_case`);
 * ``file:PATH``: a ``torch.save``'d list of dicts with keys ``k``, ``v``,
   ``queries``, ``block_size`` (e.g. captured from vLLM later).
 
 New sources plug in through :data:`SOURCES` (name -> callable returning
-:class:`~ucm.sparse.synthetic.SparseCase` objects).
+:class:`~ucm.testing.synthetic.SparseCase` objects).
 
 Usage: ``python benches/sparse_quality.py [--source planted] [--quick] [--json out.json]``.
 """
@@ -59,7 +59,7 @@ from ucm.sparse.esa import esa_representatives, esa_scores, topk_sorted
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
 from ucm.sparse.kvstar import kvstar_channels, kvstar_representatives, kvstar_scores
 from ucm.sparse.layout import make_offload_plan
-from ucm.sparse.synthetic import SparseCase, planted_case, random_llama_case
+from ucm.testing.synthetic import SparseCase, planted_case, random_llama_case
 
 RATIOS = (0.1, 0.2, 0.3)
 METHODS = ("ESA", "GSA", "KVStar", "Oracle")

@@ -8,9 +8,9 @@ import importlib.util
 import pytest
 
 from ucm.sparse.blend import BlendConfig, BlendMode, plan_request
-from ucm.sparse.blend import refmodel as rm
 from ucm.sparse.blend.vllm_integration import BlendReqMeta, BlendScheduler, blend_config_from
 from ucm.sparse.rerope.vllm_patch import rerope_hash_salt
+from ucm.testing import refmodel as rm
 
 B = 4
 END = 3

@@ -20,7 +20,7 @@ import json
 import random
 import sys
 
-from ucm.integration.vllm.harness import prepare_engine_child
+from ucm.testing.harness import prepare_engine_child
 
 prepare_engine_child()
 
@@ -32,11 +32,11 @@ WINDOW, TRAINING = 128, 512
 def main() -> None:
     import torch
 
-    from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
-    from ucm.sparse.blend import refmodel as rm
     from ucm.sparse.rerope.config import ReRoPEConfig
     from ucm.sparse.rerope.rope import rope_cos_sin_cache
     from ucm.sparse.rerope.vllm_patch import install_rerope
+    from ucm.testing import refmodel as rm
+    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
     model_dir = make_tiny_llama(sys.argv[1], TinyModelSpec(max_positions=TRAINING))
     if len(sys.argv) > 3 and sys.argv[2] == "--connector":
@@ -101,8 +101,8 @@ def main() -> None:
 
 def reference_tokens(model_dir: object, prompt: list[int]) -> tuple[list[int], float]:
     """Greedy tokens and first log probability of the torch reference stack with ReRoPE."""
-    from ucm.sparse.blend import refmodel as rm
     from ucm.sparse.rerope.config import ReRoPEConfig
+    from ucm.testing import refmodel as rm
 
     cfg = ReRoPEConfig(rerope_window=WINDOW, training_length=TRAINING)
     ref_model = rm.TinyLlama.from_pretrained(model_dir, max_positions=4096)
@@ -117,7 +117,7 @@ def connector_main(model_dir: object, store: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from ucm.integration.vllm.harness import CONNECTOR
+    from ucm.testing.harness import CONNECTOR
 
     ucm = {
         "storage_backends": store,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ucm.integration.vllm.harness import prepare_engine_child
+from ucm.testing.harness import prepare_engine_child
 
 prepare_engine_child()
 
@@ -257,7 +257,7 @@ def scenario_offload(model: Path, work: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
     model = make_tiny_llama(sys.argv[1], TinyModelSpec(**SPEC))
     work = Path(sys.argv[2])

@@ -16,7 +16,7 @@ from ucm.sparse.esa import ESA, esa_representatives, esa_scores, topk_sorted
 from ucm.sparse.gsa import GSA, SRPHashEncoder, gsa_select
 from ucm.sparse.kvstar import KVStar, kvstar_channels
 from ucm.sparse.layout import OffloadPlan
-from ucm.sparse.synthetic import planted_case, random_llama_case
+from ucm.testing.synthetic import planted_case, random_llama_case
 
 B = 16
 H_KV, G, D = 2, 4, 64

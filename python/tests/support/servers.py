@@ -444,8 +444,8 @@ def vllm_two_engines(
     The connector creates ``storage_backends`` as local directories even
     for URLs (``s3://b/p`` gives ``/b/p``); what that leaves behind at the
     file system root is removed here."""
-    from ucm.integration.vllm.harness import EngineProcess, engine_env
-    from ucm.integration.vllm.tiny_model import make_tiny_llama
+    from ucm.testing.harness import EngineProcess, engine_env
+    from ucm.testing.tiny_model import make_tiny_llama
 
     global _TINY_MODEL
     if _TINY_MODEL is None or not Path(_TINY_MODEL).exists():

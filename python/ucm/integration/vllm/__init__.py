@@ -6,9 +6,10 @@
   each block of each layer lives in vLLM's KV cache; :mod:`.metadata`;
 * :mod:`.config` -- config sources and priority; :mod:`.store_handle` -- the
   store, kept usable; :mod:`.stats` -- metrics carried to vLLM's ``/metrics``;
-* :mod:`.cli` -- ``vllm`` CLI that also works with the CPU build;
-  :mod:`.harness`, :mod:`.demo`, :mod:`.tiny_model` -- engines in child
-  processes, the README's main job, random-weight test models.
+* :mod:`.cli` -- ``vllm`` CLI that also works with the CPU build.
+
+Engines in child processes, the README's main job and random-weight test
+models are test tooling: :mod:`ucm.testing`.
 
 Importing this package does not import vLLM.
 """

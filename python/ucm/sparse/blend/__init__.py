@@ -19,12 +19,12 @@ Modules:
 * :mod:`~ucm.sparse.blend.select` -- HKVD selection and the step's row
   bookkeeping (:class:`BlendStep`);
 * :mod:`~ucm.sparse.blend.method` -- :class:`Blend`, the hooks;
-* :mod:`~ucm.sparse.blend.refmodel` -- a torch Llama with vLLM's CPU KV
-  layout that runs the whole flow (tests, ``benches/blend_ttft.py``);
 * :mod:`~ucm.sparse.blend.vllm_integration` -- Blend on vLLM 0.32 through
-  the UCM connector (below);
-* :mod:`~ucm.sparse.blend.vllm_child` -- one vLLM engine in a child process
-  (the vLLM tests and ``benches/blend_ttft.py --vllm``).
+  the UCM connector (below).
+
+Test tooling: :mod:`ucm.testing.refmodel` (a torch Llama with vLLM's CPU KV
+layout that runs the whole flow) and :mod:`ucm.testing.vllm_child` (one vLLM
+engine in a child process).
 
 vLLM integration (implemented; vLLM 0.32-0.33, ``enforce_eager=True``)
 =====================================================================

@@ -11,7 +11,7 @@ for the surviving rows with their true positions
 (built from the plans by :func:`build_step`).
 
 The same hooks drive the torch reference stack
-(:mod:`ucm.sparse.blend.refmodel`) and vLLM
+(:mod:`ucm.testing.refmodel`) and vLLM
 (:mod:`ucm.sparse.blend.vllm_integration`, see :mod:`ucm.sparse.blend`).
 """
 

@@ -8,7 +8,7 @@ directory, sends a long prompt, restarts the engine (a new process: vLLM's
 own in-memory prefix cache is gone), sends the prompt again and prints the
 cold and warm time to first token and the hit rate::
 
-    python -m ucm.integration.vllm.demo [--tokens 2048] [--dir .ucm-demo/vllm]
+    python -m ucm.testing.vllm_demo [--tokens 2048] [--dir .ucm-demo/vllm]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from ucm.integration.vllm.harness import EngineProcess, engine_env
-from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
+from ucm.testing.harness import EngineProcess, engine_env
+from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
 DEMO_SPEC = TinyModelSpec(
     layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408, vocab=512, max_positions=16384

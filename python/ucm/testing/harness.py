@@ -1,11 +1,11 @@
 """A vLLM engine in its own process, driven by JSON lines.
 
-Used by the README's main job (:mod:`.demo`), ``benches/ttft.py`` and the
+Used by the README's main job (:mod:`.vllm_demo`), ``benches/ttft.py`` and the
 end-to-end tests: each engine is a fresh process (as after a restart), with
 vLLM's engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
 it starts in seconds.
 
-Child side: ``python -m ucm.integration.vllm.harness '<json config>'`` with
+Child side: ``python -m ucm.testing.harness '<json config>'`` with
 ``model``, optional ``ucm`` (the connector's ``kv_connector_extra_config``;
 absent = no connector) and ``llm`` (more ``vllm.LLM`` arguments). Commands
 arrive on stdin, one JSON object per line; each answer is one stdout line
@@ -63,7 +63,7 @@ def engine_env(**extra: str) -> dict[str, str]:
     """Environment for an engine child: offline, in-process engine core,
     ``python/`` importable, no stray ``UCM_*`` settings."""
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[3])
+    src = str(Path(__file__).resolve().parents[2])
     env.update(OFFLINE_ENGINE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     for k in [k for k in env if k.startswith("UCM_")]:
@@ -85,7 +85,7 @@ class EngineProcess:
         self.log_path = Path(log)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ucm.integration.vllm.harness", json.dumps(config)],
+            [sys.executable, "-m", "ucm.testing.harness", json.dumps(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

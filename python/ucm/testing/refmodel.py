@@ -10,7 +10,7 @@ transposed), and a sparse method's hooks are called where vLLM calls them
 ``execute_finished``).
 
 * :class:`TinyLlama` -- random weights, or a Hugging Face Llama checkpoint
-  (``from_pretrained``; e.g. the one :mod:`ucm.integration.vllm.tiny_model`
+  (``from_pretrained``; e.g. the one :mod:`ucm.testing.tiny_model`
   writes) so its outputs can be compared with vLLM's;
 * :class:`PagedKV` -- per-layer paged caches and a trivial block allocator;
 * :class:`DictStore` -- an in-memory block store (``lookup``,

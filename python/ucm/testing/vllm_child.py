@@ -1,6 +1,6 @@
 """One vLLM engine for the Blend tests and ``benches/blend_ttft.py --vllm``, in a child process.
 
-Usage: ``python -m ucm.sparse.blend.vllm_child SPEC`` (JSON text, or a JSON
+Usage: ``python -m ucm.testing.vllm_child SPEC`` (JSON text, or a JSON
 file: prompts can exceed the argument limit). The spec holds ``model`` (a
 checkpoint directory), ``ucm`` (the connector's ``kv_connector_extra_config``;
 null: no connector), ``kv_role`` (default ``kv_both``), ``llm`` (more
@@ -29,7 +29,7 @@ from typing import Any
 
 def main() -> None:
     """The child: set up the environment before vLLM is imported, run the ops."""
-    from ucm.integration.vllm.harness import prepare_engine_child
+    from ucm.testing.harness import prepare_engine_child
 
     prepare_engine_child()
     arg = sys.argv[1]
@@ -38,8 +38,8 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from ucm.integration.vllm.harness import CONNECTOR
     from ucm.sparse.blend import vllm_integration as vi
+    from ucm.testing.harness import CONNECTOR
 
     kwargs = dict(
         model=spec["model"],
@@ -112,18 +112,18 @@ def run_child(spec: dict[str, Any], cwd: str | Path, timeout: float = 1800) -> d
     """Runs this module on ``spec`` in a new process; returns its ops by name.
 
     The child gets an offline environment with ``python/`` importable and no
-    stray ``UCM_*`` settings (:func:`ucm.integration.vllm.harness.engine_env`).
+    stray ``UCM_*`` settings (:func:`ucm.testing.harness.engine_env`).
     """
     import subprocess
 
-    from ucm.integration.vllm.harness import engine_env
+    from ucm.testing.harness import engine_env
 
     env = engine_env()
     env.pop("TRITON_INTERPRET", None)
     spec_file = Path(cwd) / f"blend-child-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_file.write_text(json.dumps(spec))  # prompts can exceed the argument limit
     proc = subprocess.run(
-        [sys.executable, "-m", "ucm.sparse.blend.vllm_child", str(spec_file)],
+        [sys.executable, "-m", "ucm.testing.vllm_child", str(spec_file)],
         capture_output=True,
         text=True,
         env=env,
