@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend import Blend, BlendConfig
-from ucm.sparse.blend import ops as blend_ops
+from ucm.sparse.kernels import keys
 from ucm.testing import refmodel as rm
 
 END = 3  # chunk-end token (the tiny vocab's <pad>)
@@ -185,9 +185,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             times, res, cache = [], None, None
             for _ in range(args.repeat):
                 blend, cache = make_blend(ratio)
-                orig = blend_ops.kv_deviation
+                orig = keys.kv_deviation
                 if random_sel:
-                    blend_ops.kv_deviation = lambda kc, s, kf, impl="auto": torch.rand(kf.shape[0])
+                    keys.kv_deviation = lambda kc, s, kf, impl="auto": torch.rand(kf.shape[0])
                 try:
                     t0 = time.perf_counter()
                     res = rm.serve_prefill(
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     )
                     times.append(time.perf_counter() - t0)
                 finally:
-                    blend_ops.kv_deviation = orig
+                    keys.kv_deviation = orig
             assert res is not None and cache is not None
             cont = rm.decode(model, cache, res.seq, res.logits, args.decode, impl=args.impl)
             t = statistics.median(times)

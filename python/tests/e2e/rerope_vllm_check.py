@@ -32,8 +32,8 @@ WINDOW, TRAINING = 128, 512
 def main() -> None:
     import torch
 
+    from ucm.sparse.kernels.rope import rope_cos_sin_cache
     from ucm.sparse.rerope.config import ReRoPEConfig
-    from ucm.sparse.rerope.rope import rope_cos_sin_cache
     from ucm.sparse.rerope.vllm_patch import install_rerope
     from ucm.testing import refmodel as rm
     from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama

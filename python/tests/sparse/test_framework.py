@@ -212,16 +212,17 @@ def test_import_without_triton() -> None:
         sys.modules["triton"] = None  # "import triton" raises ImportError
         import torch
         import ucm.sparse
-        from ucm.sparse import ops
-        assert not ucm.sparse.HAS_TRITON and not ops.triton_usable(torch.zeros(1))
+        from ucm.sparse.kernels import attention, selection
+        from ucm.sparse.kernels.dispatch import triton_usable
+        assert not ucm.sparse.HAS_TRITON and not triton_usable(torch.zeros(1))
         k = torch.randn(4, 16, 2, 64)
-        reps = ops.block_representatives(k, torch.tensor([0, 1]), torch.tensor([16, 3]))
+        reps = selection.block_representatives(k, torch.tensor([0, 1]), torch.tensor([16, 3]))
         assert reps.shape == (2, 1, 2, 64)
-        out = ops.paged_decode_attention(torch.randn(1, 8, 64), k, k,
+        out = attention.paged_decode_attention(torch.randn(1, 8, 64), k, k,
                                          torch.tensor([[0, 1]]), torch.tensor([20]))
         assert out.shape == (1, 8, 64)
         try:
-            ops.paged_decode_attention(torch.randn(1, 8, 64), k, k, torch.tensor([[0]]),
+            attention.paged_decode_attention(torch.randn(1, 8, 64), k, k, torch.tensor([[0]]),
                                        torch.tensor([3]), impl="triton")
         except RuntimeError as e:
             assert "not installed" in str(e)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ucm.sparse.kernels.views import cpu_kv_cache_views, flash_kv_cache_views
 from ucm.sparse.layout import (
     OffloadPlan,
-    cpu_kv_cache_views,
-    flash_kv_cache_views,
     gsa_shortened_len,
     gsa_topk_blocks,
     make_offload_plan,

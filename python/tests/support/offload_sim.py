@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ucm.sparse import ops
+from ucm.sparse.kernels import attention, selection
+from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.layout import OffloadPlan
 from ucm.sparse.offload import OffloadSparseBase
 
@@ -39,7 +40,7 @@ def run_offload_sim(
     plan: OffloadPlan | None = None,
     prefill_queries: torch.Tensor | None = None,
     request_id: str = "r0",
-    impl: ops.Impl = "torch",
+    impl: Impl = "torch",
 ) -> SimResult:
     """Runs ``T = k_all.shape[1] - prompt_len`` decode steps.
 
@@ -118,10 +119,10 @@ def run_offload_sim(
             blocks, length = plan.attention_view(row, actions.active_slots, t)
             table = torch.tensor([blocks], dtype=torch.int32)
             lens = torch.tensor([length])
-            out = ops.paged_decode_attention(q[None], kc, vc, table, lens, impl=impl)[0]
+            out = attention.paged_decode_attention(q[None], kc, vc, table, lens, impl=impl)[0]
             keys = k_all[layer, : true_pos + 1]
             vals = v_all[layer, : true_pos + 1]
-            w = ops.dense_attention_weights(q, keys)
+            w = selection.dense_attention_weights(q, keys)
             g = q.shape[0] // h
             dense = torch.einsum("hl,lhd->hd", w, vals.repeat_interleave(g, dim=1))
             res.rel_errors.append(float((out - dense).norm() / dense.norm()))

@@ -3,7 +3,7 @@
 * :mod:`ucm.sparse.base` -- :class:`UcmSparseBase`, the lifecycle hooks;
 * :mod:`ucm.sparse.factory` -- :class:`UcmSparseFactory` (methods by name);
 * :mod:`ucm.sparse.config` -- ``ucm_sparse_config`` parsing and validation;
-* :mod:`ucm.sparse.ops` -- Triton kernels with torch fallbacks (block
+* :mod:`ucm.sparse.kernels` -- Triton kernels with torch fallbacks (block
   representatives, dot and Hamming block scores, KVStar votes, SRP codes,
   paged decode attention over selected blocks);
 * :mod:`ucm.sparse.esa`, :mod:`ucm.sparse.gsa`, :mod:`ucm.sparse.kvstar` --
@@ -31,7 +31,7 @@ from ucm.sparse.config import (
     sparse_config_from_connector,
 )
 from ucm.sparse.factory import UcmSparseFactory
-from ucm.sparse.triton_utils import HAS_TRITON
+from ucm.sparse.kernels.triton_utils import HAS_TRITON
 
 __all__ = [
     "HAS_TRITON",

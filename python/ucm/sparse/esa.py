@@ -21,27 +21,28 @@ from typing import Any
 
 import torch
 
-from ucm.sparse import ops
 from ucm.sparse.config import ESAConfig
+from ucm.sparse.kernels import selection
+from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.layout import OffloadPlan
 from ucm.sparse.offload import OffloadSelectorBase, OffloadSparseBase
 from ucm.sparse.retrieval import Executor, OffloadRetrieval, RetrievalCadence
 
 
 def esa_representatives(
-    k_cache: torch.Tensor, block_ids: torch.Tensor, impl: ops.Impl = "auto"
+    k_cache: torch.Tensor, block_ids: torch.Tensor, impl: Impl = "auto"
 ) -> torch.Tensor:
     """``[n, H_kv, D]`` fp32 mean keys of full blocks ``block_ids`` of ``k_cache``."""
     full = torch.full((block_ids.numel(),), k_cache.shape[1], dtype=torch.int32)
-    return ops.block_representatives(k_cache, block_ids, full, impl=impl)[:, 0]
+    return selection.block_representatives(k_cache, block_ids, full, impl=impl)[:, 0]
 
 
-def esa_scores(q: torch.Tensor, reps: torch.Tensor, impl: ops.Impl = "auto") -> torch.Tensor:
+def esa_scores(q: torch.Tensor, reps: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
     """``[n]`` ESA scores of one query ``[H_q, D]`` against ``reps`` ``[n, H_kv, D]``."""
     n = reps.shape[0]
     table = torch.arange(n, dtype=torch.int32, device=reps.device).unsqueeze(0)
     num = torch.tensor([n], dtype=torch.int32, device=reps.device)
-    return ops.block_scores_dot(q.unsqueeze(0), reps, table, num, impl=impl)[0]
+    return selection.block_scores_dot(q.unsqueeze(0), reps, table, num, impl=impl)[0]
 
 
 def topk_sorted(scores: torch.Tensor, k: int, largest: bool = True) -> list[int]:
@@ -61,7 +62,7 @@ class ESASelector(OffloadSelectorBase):
         plan: OffloadPlan,
         config: ESAConfig,
         executor: Executor,
-        impl: ops.Impl = "auto",
+        impl: Impl = "auto",
     ) -> None:
         super().__init__(plan, executor)
         self.config = config
@@ -100,7 +101,7 @@ class ESA(OffloadSparseBase):
 
     def __init__(self, vllm_config: Any, role: Any, config: ESAConfig | None = None) -> None:
         super().__init__(vllm_config, role, config)
-        self.impl: ops.Impl = "auto"
+        self.impl: Impl = "auto"
 
     def make_selector(self, plan: OffloadPlan) -> ESASelector:
         return ESASelector(plan, self.config, self.executor, self.impl)

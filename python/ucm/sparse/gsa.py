@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from ucm.sparse import ops
 from ucm.sparse.base import INVALID_SLOT, UcmSparseBase, UcmSparseRole
 from ucm.sparse.config import GSAConfig
+from ucm.sparse.kernels import selection
+from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.layout import gsa_shortened_len, gsa_topk_blocks
 
 DENSE, SPARSE, REUSE = "dense", "sparse", "reuse"
@@ -45,27 +46,29 @@ class SRPHashEncoder:
         nbits: int | None = None,
         seed: int = 0,
         device: torch.device | str | None = None,
-        impl: ops.Impl = "auto",
+        impl: Impl = "auto",
     ) -> None:
         self.head_dim = head_dim
         self.nbits = nbits or max(32, head_dim)
         self.words = self.nbits // 32
-        self.proj = ops.srp_projection(head_dim, self.nbits, seed, device)
+        self.proj = selection.srp_projection(head_dim, self.nbits, seed, device)
         self.impl = impl
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., H, D] -> [..., H, W]`` int32 codes."""
-        return ops.srp_encode(x, self.proj.to(x.device), impl=self.impl)
+        return selection.srp_encode(x, self.proj.to(x.device), impl=self.impl)
 
     def encode_query(self, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
         """``[S, H_q, D] -> [S, H_kv, W]``: codes of the GQA-group-mean queries."""
-        return self.encode(ops.group_mean_query(q, num_kv_heads))
+        return self.encode(selection.group_mean_query(q, num_kv_heads))
 
     def write_keys(
         self, k: torch.Tensor, code_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Writes codes of new keys ``[T, H_kv, D]`` at ``slot_mapping`` (-1 skipped)."""
-        ops.srp_encode_to_cache(k, self.proj.to(k.device), code_cache, slot_mapping, impl=self.impl)
+        selection.srp_encode_to_cache(
+            k, self.proj.to(k.device), code_cache, slot_mapping, impl=self.impl
+        )
 
     def new_code_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, device: Any = None
@@ -83,7 +86,7 @@ def gsa_select(
     keep_blocks: torch.Tensor,
     sink_blocks: int = 1,
     recent_blocks: int = 4,
-    impl: ops.Impl = "auto",
+    impl: Impl = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Selected blocks of a batch, in original order.
 
@@ -103,7 +106,7 @@ def gsa_select(
     _s, max_blocks = block_table.shape
     b = code_cache.shape[1]
     dev = block_table.device
-    scores = ops.block_scores_hamming(
+    scores = selection.block_scores_hamming(
         q_codes, code_cache, block_table, seq_lens, sink_blocks, recent_blocks, impl=impl
     ).to(dev)
     nb = (seq_lens.to(dev).long() + b - 1) // b
@@ -128,7 +131,7 @@ class GSA(UcmSparseBase):
 
     def __init__(self, vllm_config: Any, role: UcmSparseRole, config: GSAConfig | None = None):
         super().__init__(vllm_config, role, config or GSAConfig())
-        self.impl: ops.Impl = "auto"
+        self.impl: Impl = "auto"
         self.enabled = False
         self.code_caches: dict[int, torch.Tensor] = {}
         self._encoder: SRPHashEncoder | None = None

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from ucm.sparse import ops
 from ucm.sparse.config import KVStarConfig
 from ucm.sparse.esa import topk_sorted
+from ucm.sparse.kernels import selection
+from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.layout import OffloadPlan
 from ucm.sparse.offload import OffloadSelectorBase, OffloadSparseBase
 from ucm.sparse.retrieval import Executor, OffloadRetrieval, RetrievalCadence
@@ -59,11 +60,13 @@ def kvstar_representatives(
     block_ids: torch.Tensor,
     channels: torch.Tensor,
     tokens_per_rep: int,
-    impl: ops.Impl = "auto",
+    impl: Impl = "auto",
 ) -> torch.Tensor:
     """``[n, M, H_kv, D']`` fp32 sub-block representatives of full blocks."""
     full = torch.full((block_ids.numel(),), k_cache.shape[1], dtype=torch.int32)
-    return ops.block_representatives(k_cache, block_ids, full, tokens_per_rep, channels, impl=impl)
+    return selection.block_representatives(
+        k_cache, block_ids, full, tokens_per_rep, channels, impl=impl
+    )
 
 
 def kvstar_scores(
@@ -71,7 +74,7 @@ def kvstar_scores(
     reps: torch.Tensor,
     channels: torch.Tensor,
     scale: float,
-    impl: ops.Impl = "auto",
+    impl: Impl = "auto",
 ) -> torch.Tensor:
     """``[n]`` votes of a query group ``[X, H_q, D]`` (or one query ``[H_q, D]``)."""
     if queries.dim() == 2:
@@ -79,7 +82,7 @@ def kvstar_scores(
     n = reps.shape[0]
     table = torch.arange(n, dtype=torch.int32, device=reps.device).unsqueeze(0)
     num = torch.tensor([n], dtype=torch.int32, device=reps.device)
-    return ops.kvstar_vote_scores(
+    return selection.kvstar_vote_scores(
         queries.unsqueeze(0), reps, table, num, channels.unsqueeze(0), scale, impl=impl
     )[0]
 
@@ -92,7 +95,7 @@ class KVStarSelector(OffloadSelectorBase):
         plan: OffloadPlan,
         config: KVStarConfig,
         executor: Executor,
-        impl: ops.Impl = "auto",
+        impl: Impl = "auto",
     ) -> None:
         super().__init__(plan, executor)
         self.config = config
@@ -151,7 +154,7 @@ class KVStar(OffloadSparseBase):
 
     def __init__(self, vllm_config: Any, role: Any, config: KVStarConfig | None = None) -> None:
         super().__init__(vllm_config, role, config)
-        self.impl: ops.Impl = "auto"
+        self.impl: Impl = "auto"
 
     def make_selector(self, plan: OffloadPlan) -> KVStarSelector:
         return KVStarSelector(plan, self.config, self.executor, self.impl)

@@ -1,4 +1,4 @@
-"""Block arithmetic of sparsed requests, and KV-cache views for the kernels.
+"""Block arithmetic of sparsed requests.
 
 **Offload layout** (ESA, KVStar). A prompt of ``P`` tokens covers
 ``N = ceil(P / B)`` logical blocks, split into
@@ -28,9 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from ucm.sparse.triton_utils import cdiv
+from ucm.sparse.kernels.triton_utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -173,37 +171,3 @@ def gsa_shortened_len(seq_len: int, block_size: int, keep_blocks: int) -> int:
     """
     nb = cdiv(seq_len, block_size)
     return seq_len - max(0, nb - keep_blocks) * block_size
-
-
-# ----------------------------------------------------------------------------
-# KV-cache views in the kernels' logical layout [num_blocks, B, H_kv, D]
-# ----------------------------------------------------------------------------
-
-
-def flash_kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views of a vLLM GPU (flash-attn layout) cache ``[2, NB, B, H, D]``."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"expected [2, num_blocks, B, H, D], got {tuple(kv_cache.shape)}")
-    return kv_cache[0], kv_cache[1]
-
-
-def cpu_kv_cache_views(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views of one layer of the vLLM CPU cache, without copying.
-
-    The CPU attention backend stores a layer as ``[NB, H, N, 2C]``, where each
-    ``(block, head)`` slab of ``2*N*C`` elements holds K transposed
-    (``[C, N]``, head-dim major) then V (``[N, C]``). See
-    ``shared/reference/vllm-on-cpu.md`` (KV cache layout). The returned views
-    have the logical shape ``[NB, N, H, C]`` every kernel here takes.
-    """
-    if kv_layer.dim() != 4 or kv_layer.shape[-1] % 2:
-        raise ValueError(f"expected [num_blocks, H, N, 2C], got {tuple(kv_layer.shape)}")
-    if not kv_layer.is_contiguous():
-        raise ValueError("the CPU KV layer must be contiguous")
-    nb, h, n, c2 = kv_layer.shape
-    c = c2 // 2
-    slab = 2 * n * c
-    off = kv_layer.storage_offset()
-    k = kv_layer.as_strided((nb, n, h, c), (h * slab, 1, slab, n), off)
-    v = kv_layer.as_strided((nb, n, h, c), (h * slab, c, slab, 1), off + n * c)
-    return k, v

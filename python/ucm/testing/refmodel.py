@@ -32,14 +32,15 @@ from typing import Any
 import torch
 
 from ucm.sparse.base import UcmSparseBase
-from ucm.sparse.blend import ops as blend_ops
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, plan_request
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.method import Blend, build_step
-from ucm.sparse.ops import Impl
-from ucm.sparse.rerope import ops as attn_ops
+from ucm.sparse.kernels import attention, keys
+from ucm.sparse.kernels.dispatch import Impl
+from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
+from ucm.sparse.kernels.views import kv_views
 from ucm.sparse.rerope.config import ReRoPEConfig
-from ucm.sparse.rerope.rope import apply_rope, rope_cos_sin_cache
+from ucm.sparse.rerope.reference import rerope_prepare
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class PagedKV:
         self._free = list(range(num_blocks))
 
     def views(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return attn_ops.kv_views(self.kv[name])
+        return kv_views(self.kv[name])
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -270,7 +271,7 @@ def forward(
         x, residual = model._add_norm(hidden, residual, f"model.layers.{i}.input_layernorm.weight")
         q, k, v = model.qkv(i, x)
         if rerope is not None:
-            q, q_w, k, k2 = attn_ops.rerope_prepare(
+            q, q_w, k, k2 = rerope_prepare(
                 q,
                 k,
                 pos,
@@ -286,11 +287,11 @@ def forward(
         if agent is not None:
             q, k, v, out = agent.attention_begin(q, k, v, name, meta, out)
         k_view, v_view = cache.views(name)
-        attn_ops.write_kv(k_view, k, meta.slot_mapping)
-        attn_ops.write_kv(v_view, v, meta.slot_mapping)
+        attention.write_kv(k_view, k, meta.slot_mapping)
+        attention.write_kv(v_view, v, meta.slot_mapping)
         if rerope is not None:
-            attn_ops.write_kv(cache.k2[name], k2, meta.slot_mapping)
-            attn_ops.paged_attention(
+            attention.write_kv(cache.k2[name], k2, meta.slot_mapping)
+            attention.paged_attention(
                 q,
                 k_view,
                 v_view,
@@ -306,7 +307,7 @@ def forward(
                 impl=impl,
             )
         elif agent is None or not agent.sparse_attention(name, q, cache.kv[name], meta, out):
-            attn_ops.paged_attention(
+            attention.paged_attention(
                 q,
                 k_view,
                 v_view,
@@ -415,7 +416,7 @@ def serve_prefill(
             if blend is not None:  # the hook the connector calls in wait_for_layer_load
                 blend.rotate_loaded_blocks(name, ids, deltas)
                 continue
-            blend_ops.delta_rope(
+            keys.delta_rope(
                 cache.views(name)[0],
                 ids,
                 deltas,

@@ -29,7 +29,7 @@ request, so the scheduler sends that block id per request and the worker
 matches it against ``slot_mapping`` of the row's last token.
 
 **Attention.** In a batch of decode rows only, the bridge computes every
-row itself with :func:`ucm.sparse.ops.paged_decode_attention` (Triton on
+row itself with :func:`ucm.sparse.kernels.attention.paged_decode_attention` (Triton on
 CUDA, the torch reference on the CPU build, which has no Triton backend):
 sparse rows over their selected blocks, the others over all their blocks;
 vLLM's kernel is skipped. In a mixed batch (prefill chunks with decodes)
@@ -72,14 +72,15 @@ from typing import Any
 import torch
 
 from ucm.shared.logging import get_logger
-from ucm.sparse import ops, state
+from ucm.sparse import state
 from ucm.sparse.base import INVALID_SLOT, UcmSparseBase, UcmSparseRole
 from ucm.sparse.config import SparseMethodSpec, parse_sparse_config
 from ucm.sparse.factory import UcmSparseFactory
 from ucm.sparse.gsa import GSA
-from ucm.sparse.layout import cpu_kv_cache_views, flash_kv_cache_views
+from ucm.sparse.kernels import attention
+from ucm.sparse.kernels.triton_utils import cdiv
+from ucm.sparse.kernels.views import kv_views
 from ucm.sparse.offload import OffloadSparseBase
-from ucm.sparse.triton_utils import cdiv
 from ucm.sparse.vllm_hooks import (
     HookHandle,
     check_vllm_version,
@@ -422,11 +423,6 @@ def layer_index(name: str) -> int:
     if m is None:
         raise ValueError(f"cannot find the layer index in {name!r}")
     return int(m.group(1))
-
-
-def kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(K, V)`` ``[NB, B, H, D]`` views of one layer's vLLM cache (CPU or flash layout)."""
-    return cpu_kv_cache_views(kv_cache) if kv_cache.dim() == 4 else flash_kv_cache_views(kv_cache)
 
 
 class SparseWorkerBridge:
@@ -821,7 +817,7 @@ class SparseWorkerBridge:
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         pos = torch.tensor([r.q_start for r in rows], device=dev)
         q = query[pos].reshape(len(rows), -1, d)
-        out = ops.paged_decode_attention(
+        out = attention.paged_decode_attention(
             q,
             k_view,
             v_view,

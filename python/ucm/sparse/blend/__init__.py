@@ -13,14 +13,16 @@ Modules:
 * :mod:`~ucm.sparse.blend.chunks` -- chunk segmentation (end token /
   explicit spans), position-independent chunk block ids, the per-request
   :class:`BlendPlan` (BUILD_CHUNK_CACHE / BLEND / PREFIX);
-* :mod:`~ucm.sparse.blend.ops` (kernels, launchers, reference) -- the
-  delta-RoPE kernel (NeoX and GPT-J, partial rotary, any KV layout given by
-  strides) and the fused L1 key-deviation kernel;
 * :mod:`~ucm.sparse.blend.select` -- HKVD selection and the step's row
   bookkeeping (:class:`BlendStep`);
 * :mod:`~ucm.sparse.blend.method` -- :class:`Blend`, the hooks;
 * :mod:`~ucm.sparse.blend.vllm_integration` -- Blend on vLLM 0.32 through
   the UCM connector (below).
+
+Its kernels -- delta-RoPE (NeoX and GPT-J, partial rotary, any KV layout
+given by strides) and the fused L1 key deviation -- are
+:mod:`ucm.sparse.kernels.keys`; the attention of the kept rows is
+:mod:`ucm.sparse.kernels.attention`.
 
 Test tooling: :mod:`ucm.testing.refmodel` (a torch Llama with vLLM's CPU KV
 layout that runs the whole flow) and :mod:`ucm.testing.vllm_child` (one vLLM

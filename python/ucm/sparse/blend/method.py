@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from ucm.sparse.base import UcmSparseBase, UcmSparseRole
-from ucm.sparse.blend import ops
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, BlockLookup, plan_request
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.select import BlendRequestRows, BlendStep
-from ucm.sparse.ops import Impl
-from ucm.sparse.rerope import ops as attn_ops
+from ucm.sparse.kernels import attention, keys
+from ucm.sparse.kernels.dispatch import Impl
+from ucm.sparse.kernels.views import kv_views
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -127,7 +127,7 @@ class Blend(UcmSparseBase):
 
     def initialize_kv_cache_tensors(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for name, kv in kv_caches.items():
-            self._k_views[name], self._v_views[name] = attn_ops.kv_views(kv)
+            self._k_views[name], self._v_views[name] = kv_views(kv)
 
     def set_rotary(self, cos_sin_cache: torch.Tensor, is_neox: bool = True) -> None:
         """The model's rotary table (vLLM: ``rotary_emb.cos_sin_cache``) and pairing."""
@@ -141,7 +141,7 @@ class Blend(UcmSparseBase):
         ``wait_for_layer_load``). Blocks with delta 0 may be left out."""
         if self.cos_sin_cache is None:
             raise RuntimeError("Blend.set_rotary was not called")
-        ops.delta_rope(
+        keys.delta_rope(
             self._k_views[layer_name],
             block_ids,
             deltas,
@@ -185,7 +185,7 @@ class Blend(UcmSparseBase):
         k_view = self._k_views[layer_name]
         slots = step.slots[step.active].to(key.device)
         has_cached = step.reused[step.active].to(key.device)
-        dev = ops.kv_deviation(k_view, torch.where(has_cached, slots, -1), key, impl=self.impl)
+        dev = keys.kv_deviation(k_view, torch.where(has_cached, slots, -1), key, impl=self.impl)
         local = step.select(layer_index(layer_name), dev.cpu(), share).to(query.device)
         query, key, value = query[local], key[local], value[local]
         if output is not None:
@@ -221,8 +221,8 @@ class Blend(UcmSparseBase):
         step = self.step
         if step is None or not step.shrunk:
             return False
-        k_view, v_view = attn_ops.kv_views(kv_cache)
-        attn_ops.paged_attention(
+        k_view, v_view = kv_views(kv_cache)
+        attention.paged_attention(
             query,
             k_view,
             v_view,

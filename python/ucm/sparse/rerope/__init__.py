@@ -12,15 +12,8 @@ Modules:
 
 * :mod:`~ucm.sparse.rerope.config` -- :class:`ReRoPEConfig`
   (``rerope_window``, ``training_length``, ``log_n_scaling``, ``always_on``);
-* :mod:`~ucm.sparse.rerope.rope` -- RoPE in vLLM's conventions
-  (``cos_sin_cache``, NeoX/GPT-J, partial rotary);
-* :mod:`~ucm.sparse.rerope.reference` -- the definition (relative form), the
-  two-score paged reference, :func:`rerope_prepare`;
-* :mod:`~ucm.sparse.rerope.kernels` / :mod:`~ucm.sparse.rerope.launchers` --
-  Triton prefill (tiled online softmax; S1, S2 or both per tile by the
-  tile's distance range) and decode (split-K over paged blocks) kernels;
-  ``REROPE=False`` gives position-causal attention (Blend uses it);
-* :mod:`~ucm.sparse.rerope.ops` -- dispatch (Triton / torch);
+* :mod:`~ucm.sparse.rerope.reference` -- the definition (relative form) and
+  :func:`rerope_prepare`;
 * :mod:`~ucm.sparse.rerope.method` -- :class:`ReRoPE` (K2 cache, hooks);
 * :mod:`~ucm.sparse.rerope.vllm_patch` -- the vLLM 0.32 integration:
   by hand (``install_rerope``) or through the UCM connector config
@@ -30,6 +23,11 @@ Modules:
   with the ReRoPE parameters (ReRoPE KV never mixes with plain-RoPE KV) and
   K2 of blocks loaded from the store is derived from their K
   (:meth:`ReRoPE.rebuild_k2`); loads are whole-step.
+
+The kernels are shared (:mod:`ucm.sparse.kernels`): the paged attention of
+:mod:`ucm.sparse.kernels.attention` (Triton prefill with S1, S2 or both per
+tile by the tile's distance range, split-K decode) with a ``window``, RoPE
+in vLLM's conventions in :mod:`ucm.sparse.kernels.rope`.
 
 KV storage and its cost
 =======================

@@ -1,7 +1,7 @@
-"""Triton kernels of Blend (the ``@triton.jit`` layer).
+"""Triton kernels of the key ops (the ``@triton.jit`` layer).
 
-Launchers: :mod:`ucm.sparse.blend.launchers`; specification:
-:mod:`ucm.sparse.blend.reference`. Every tensor comes with all its strides,
+Launchers: :mod:`ucm.sparse.kernels.keys.launchers`; specification:
+:mod:`ucm.sparse.kernels.keys.reference`. Every tensor comes with all its strides,
 so the vLLM CPU paged layout (K transposed inside each block) and plain
 ``[T, H, D]`` tensors are read and written in place. Block ids, slots and
 anything multiplied by a block stride are widened to int64 first.
@@ -9,7 +9,7 @@ anything multiplied by a block stride are widened to int64 first.
 
 from __future__ import annotations
 
-from ucm.sparse.triton_utils import tl, triton
+from ucm.sparse.kernels.triton_utils import tl, triton
 
 
 @triton.jit

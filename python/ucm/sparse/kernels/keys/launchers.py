@@ -1,20 +1,15 @@
-"""Pure-Python launchers of the Blend kernels (checks, strides, grid, constexprs).
+"""Pure-Python launchers of the key kernels (checks, strides, grid, constexprs).
 
-Shapes are those of :mod:`ucm.sparse.blend.reference`.
+Shapes are those of :mod:`ucm.sparse.kernels.keys.reference`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ucm.sparse.blend import kernels
-from ucm.sparse.ops.launchers import _launch_guard
-from ucm.sparse.triton_utils import cdiv, next_power_of_2
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+from ucm.sparse.kernels.dispatch import launch_guard, require
+from ucm.sparse.kernels.keys import jit
+from ucm.sparse.kernels.triton_utils import cdiv, next_power_of_2
 
 
 def delta_rope_tile(block_size: int) -> int:
@@ -31,12 +26,14 @@ def delta_rope(
     num_tokens: torch.Tensor | None = None,
     validate: bool = True,
 ) -> None:
-    """Triton :func:`ucm.sparse.blend.reference.delta_rope` (in place).
+    """Triton :func:`ucm.sparse.kernels.keys.reference.delta_rope` (in place).
 
     ``validate`` checks that block ids are distinct and deltas fit the table;
     both read device values back (a sync), so hot paths pass False.
     """
-    _check(k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H, D], got {tuple(k_cache.shape)}")
+    require(
+        k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H, D], got {tuple(k_cache.shape)}"
+    )
     _, b, h, d = k_cache.shape
     _delta_rope_launch(
         k_cache,
@@ -61,15 +58,15 @@ def delta_rope_tokens(
     group: int = 16,
     validate: bool = True,
 ) -> None:
-    """Triton :func:`ucm.sparse.blend.reference.delta_rope_tokens` (in place).
+    """Triton :func:`ucm.sparse.kernels.keys.reference.delta_rope_tokens` (in place).
 
     The ``T`` tokens are launched as ``ceil(T / group)`` blocks of ``group``
     consecutive tokens (block stride ``group * stride_t``), one delta per token;
     the tail block is masked, so nothing past token ``T - 1`` is touched.
     """
-    _check(k.dim() == 3, f"k must be [T, H, D], got {tuple(k.shape)}")
+    require(k.dim() == 3, f"k must be [T, H, D], got {tuple(k.shape)}")
     t, h, d = k.shape
-    _check(deltas.numel() == t, f"deltas must be [{t}]")
+    require(deltas.numel() == t, f"deltas must be [{t}]")
     if t == 0:
         return
     n = cdiv(t, group)
@@ -106,9 +103,9 @@ def _delta_rope_launch(
     num_tokens: torch.Tensor | None,
     validate: bool,
 ) -> None:
-    _check(cos_sin_cache.dim() == 2, "cos_sin_cache must be [max_pos, rot_dim]")
+    require(cos_sin_cache.dim() == 2, "cos_sin_cache must be [max_pos, rot_dim]")
     rot = cos_sin_cache.shape[1]
-    _check(rot % 2 == 0 and 0 < rot <= d, f"rot_dim {rot} must be even and <= head dim {d}")
+    require(rot % 2 == 0 and 0 < rot <= d, f"rot_dim {rot} must be even and <= head dim {d}")
     n = int(block_ids.numel())
     if n == 0:
         return
@@ -116,28 +113,28 @@ def _delta_rope_launch(
     block_ids = block_ids.to(device=dev, dtype=torch.int64).contiguous()
     deltas = deltas.to(device=dev, dtype=torch.int64)
     if deltas.dim() == 1:
-        _check(deltas.numel() == n, f"deltas must be [{n}] or [{n}, {b}]")
+        require(deltas.numel() == n, f"deltas must be [{n}] or [{n}, {b}]")
         stride_dn, stride_dt = deltas.stride(0), 0
     else:
-        _check(tuple(deltas.shape) == (n, b), f"deltas must be [{n}] or [{n}, {b}]")
+        require(tuple(deltas.shape) == (n, b), f"deltas must be [{n}] or [{n}, {b}]")
         stride_dn, stride_dt = deltas.stride()
     if validate:
-        _check(
+        require(
             int(torch.unique(block_ids).numel()) == n,
             "block_ids must be distinct (in-place rotation)",
         )
         max_abs = int(deltas.abs().max())
-        _check(
+        require(
             max_abs < cos_sin_cache.shape[0],
             f"|delta| = {max_abs} is outside the rotary table ({cos_sin_cache.shape[0]} positions)",
         )
     cs = cos_sin_cache.to(dev)
     if num_tokens is not None:
-        _check(num_tokens.numel() == n, "num_tokens must have one entry per block")
+        require(num_tokens.numel() == n, "num_tokens must have one entry per block")
         num_tokens = num_tokens.to(device=dev, dtype=torch.int32).contiguous()
     bt = delta_rope_tile(b)
-    with _launch_guard():
-        kernels.delta_rope_kernel[(n, h, cdiv(b, bt))](
+    with launch_guard():
+        jit.delta_rope_kernel[(n, h, cdiv(b, bt))](
             k,
             block_ids,
             deltas,
@@ -159,19 +156,21 @@ def _delta_rope_launch(
 def kv_deviation(
     k_cache: torch.Tensor, slots: torch.Tensor, k_fresh: torch.Tensor, block_t: int = 32
 ) -> torch.Tensor:
-    """Triton :func:`ucm.sparse.blend.reference.kv_deviation`."""
-    _check(k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H, D], got {tuple(k_cache.shape)}")
-    _check(k_fresh.dim() == 3, f"k_fresh must be [T, H, D], got {tuple(k_fresh.shape)}")
+    """Triton :func:`ucm.sparse.kernels.keys.reference.kv_deviation`."""
+    require(
+        k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H, D], got {tuple(k_cache.shape)}"
+    )
+    require(k_fresh.dim() == 3, f"k_fresh must be [T, H, D], got {tuple(k_fresh.shape)}")
     _, b, h, d = k_cache.shape
     t = k_fresh.shape[0]
-    _check(tuple(k_fresh.shape[1:]) == (h, d), "k_fresh heads/dims differ from the cache")
-    _check(slots.numel() == t, "slots must have one entry per token")
+    require(tuple(k_fresh.shape[1:]) == (h, d), "k_fresh heads/dims differ from the cache")
+    require(slots.numel() == t, "slots must have one entry per token")
     out = torch.empty(t, dtype=torch.float32, device=k_fresh.device)
     if t == 0:
         return out
     slots = slots.to(device=k_fresh.device, dtype=torch.int64).contiguous()
-    with _launch_guard():
-        kernels.kv_deviation_kernel[(cdiv(t, block_t),)](
+    with launch_guard():
+        jit.kv_deviation_kernel[(cdiv(t, block_t),)](
             k_cache,
             slots,
             k_fresh,

@@ -1,8 +1,8 @@
-"""Triton kernels of the sparse-attention ops (the ``@triton.jit`` layer).
+"""Triton kernels of the block selection ops (the ``@triton.jit`` layer).
 
-Each kernel has a launcher in :mod:`ucm.sparse.ops.launchers` (asserts,
+Each kernel has a launcher in :mod:`ucm.sparse.kernels.selection.launchers` (asserts,
 strides, grid, constexpr choice) and a plain-torch specification in
-:mod:`ucm.sparse.ops.reference`; tensor shapes are documented there.
+:mod:`ucm.sparse.kernels.selection.reference`; tensor shapes are documented there.
 
 Conventions:
 
@@ -17,7 +17,7 @@ Conventions:
 
 from __future__ import annotations
 
-from ucm.sparse.triton_utils import tl, triton
+from ucm.sparse.kernels.triton_utils import tl, triton
 
 
 @triton.jit
@@ -352,162 +352,3 @@ def hamming_block_score_kernel(
     score = tl.where(forced, -1, score)
     score = tl.where(mask_j, score, 2147483647)
     tl.store(out_ptr + s * stride_os + j * stride_on, score, mask=j < max_blocks)
-
-
-@triton.jit
-def paged_decode_split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    table_ptr,
-    seq_lens_ptr,
-    acc_ptr,
-    m_ptr,
-    l_ptr,
-    stride_qs,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ts,
-    stride_tn,
-    stride_as,
-    stride_ah,
-    stride_ap,
-    stride_ad,
-    stride_ms,
-    stride_mh,
-    stride_mp,
-    scale,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Grid ``(S, H_kv, NUM_SPLITS)``: flash-decoding partials of one GQA group.
-
-    Split ``p`` covers a contiguous range of the sequence's blocks and writes
-    the unnormalised output ``acc``, running max ``m`` and normaliser ``l`` of
-    all ``G`` query heads of kv head ``h`` (the heads share each K/V tile).
-    ``IEEE`` asks for exact fp32 products (fp32 caches); ``UPCAST`` computes
-    both products in fp32 (the launcher sets it for 16-bit caches under the
-    interpreter, whose ``tl.dot`` mis-computes bfloat16 operands).
-    """
-    s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    sp = tl.program_id(2)
-    sl = tl.load(seq_lens_ptr + s).to(tl.int32)
-    nb = (sl + BLOCK_SIZE - 1) // BLOCK_SIZE
-    per = (nb + NUM_SPLITS - 1) // NUM_SPLITS
-    start = sp * per
-    end = tl.minimum(nb, start + per)
-    offs_g = tl.arange(0, GROUP_PAD)
-    mask_g = offs_g < GROUP
-    offs_d = tl.arange(0, D_PAD)
-    mask_d = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = h * GROUP + offs_g
-    q_ptrs = q_ptr + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_ptr.dtype.element_ty)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    k_base = k_ptr + h * stride_kh
-    v_base = v_ptr + h * stride_vh
-    for j in range(start, end):
-        blk = tl.load(table_ptr + s * stride_ts + j * stride_tn).to(tl.int64)
-        pos = j * BLOCK_SIZE + offs_n
-        mask_t = (offs_n < BLOCK_SIZE) & (pos < sl)
-        k_ptrs = (
-            k_base + blk * stride_kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd
-        )
-        k = tl.load(k_ptrs, mask=mask_t[None, :] & mask_d[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            qk = tl.dot(q, k, input_precision="ieee")
-        else:
-            qk = tl.dot(q, k)
-        qk = tl.where(mask_t[None, :], qk * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_ptrs = (
-            v_base + blk * stride_vb + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd
-        )
-        v = tl.load(v_ptrs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    a_ptrs = acc_ptr + s * stride_as + heads[:, None] * stride_ah + sp * stride_ap
-    tl.store(a_ptrs + offs_d[None, :] * stride_ad, acc, mask=mask_g[:, None] & mask_d[None, :])
-    ml_off = s * stride_ms + heads * stride_mh + sp * stride_mp
-    tl.store(m_ptr + ml_off, m_i, mask=mask_g)
-    tl.store(l_ptr + ml_off, l_i, mask=mask_g)
-
-
-@triton.jit
-def paged_decode_reduce_kernel(
-    acc_ptr,
-    m_ptr,
-    l_ptr,
-    out_ptr,
-    stride_as,
-    stride_ah,
-    stride_ap,
-    stride_ad,
-    stride_ms,
-    stride_mh,
-    stride_mp,
-    stride_os,
-    stride_oh,
-    stride_od,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """Grid ``(S, H_q)``: combines the split partials into the output (0 if no keys)."""
-    s = tl.program_id(0).to(tl.int64)
-    hq = tl.program_id(1).to(tl.int64)
-    offs_p = tl.arange(0, SPLITS_PAD)
-    mask_p = offs_p < NUM_SPLITS
-    offs_d = tl.arange(0, D_PAD)
-    mask_d = offs_d < HEAD_DIM
-    ml_off = s * stride_ms + hq * stride_mh + offs_p * stride_mp
-    m = tl.load(m_ptr + ml_off, mask=mask_p, other=float("-inf"))
-    l_part = tl.load(l_ptr + ml_off, mask=mask_p, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
-    live = m > float("-inf")
-    w = tl.where(live, tl.exp(tl.where(live, m, m_ref) - m_ref), 0.0)
-    total = tl.sum(w * l_part, axis=0)
-    a_ptrs = acc_ptr + s * stride_as + hq * stride_ah + offs_p[:, None] * stride_ap
-    acc = tl.load(
-        a_ptrs + offs_d[None, :] * stride_ad, mask=mask_p[:, None] & mask_d[None, :], other=0.0
-    )
-    num = tl.sum(acc * w[:, None], axis=0)
-    out = tl.where(total > 0, num / tl.where(total > 0, total, 1.0), 0.0)
-    o_ptrs = out_ptr + s * stride_os + hq * stride_oh + offs_d * stride_od
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)

@@ -1,41 +1,43 @@
-"""(ReRoPE) attention ops with Triton kernels and torch fallbacks.
+"""Attention over paged KV: decode over selected blocks, position-causal
+prefill, ReRoPE's two-score attention.
 
-``impl`` as in :mod:`ucm.sparse.ops`: ``"auto"`` runs the kernels where
-Triton can (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and
-the torch references elsewhere (e.g. vLLM's CPU build).
+One set of kernels (:mod:`.jit`) serves all three: ``window=None`` compiles
+plain attention (sparse decode, Blend's recomputed rows), a window the
+ReRoPE variant. ``impl`` as in :mod:`ucm.sparse.kernels.dispatch`: the
+kernels where Triton can run, the torch references (:mod:`.reference`)
+elsewhere (e.g. vLLM's CPU build).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ucm.sparse.layout import cpu_kv_cache_views, flash_kv_cache_views
-from ucm.sparse.ops import Impl, _use_triton
-from ucm.sparse.rerope import reference
-from ucm.sparse.rerope.reference import (
-    default_q_positions,
-    log_n_scale,
-    rerope_attention_dense,
-    rerope_prepare,
-    write_kv,
-)
-from ucm.sparse.triton_utils import HAS_TRITON
+from ucm.sparse.kernels.attention import reference
+from ucm.sparse.kernels.attention.reference import default_q_positions, write_kv
+from ucm.sparse.kernels.dispatch import Impl, use_triton
+from ucm.sparse.kernels.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
-    from ucm.sparse.rerope import launchers as _launchers
+    from ucm.sparse.kernels.attention import launchers as _launchers
 else:  # pragma: no cover - depends on the environment
     _launchers = None
 
 
-def kv_views(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(K, V)`` logical ``[NB, B, H, D]`` views of one layer's vLLM paged cache.
-
-    Accepts the CPU backend's ``[NB, H, B, 2D]`` (K transposed inside each
-    block) and the flash layout ``[2, NB, B, H, D]``.
-    """
-    if kv_layer.dim() == 4:
-        return cpu_kv_cache_views(kv_layer)
-    return flash_kv_cache_views(kv_layer)
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """``[S, H_q, D]`` decode attention over paged (selected) blocks (see the reference)."""
+    if use_triton(impl, q):
+        return _launchers.paged_decode_attention(
+            q, k_cache, v_cache, block_table, seq_lens, None, scale
+        )
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
 
 
 def paged_attention(
@@ -57,10 +59,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Position-causal (ReRoPE when ``window`` is set) attention over paged KV.
 
-    See :func:`ucm.sparse.rerope.reference.paged_attention`. Decode-only
+    See :func:`ucm.sparse.kernels.attention.reference.paged_attention`. Decode-only
     batches (every sequence one query token) use the split-K decode kernel.
     """
-    if not _use_triton(impl, q):
+    if not use_triton(impl, q):
         return reference.paged_attention(
             q,
             k_cache,
@@ -116,10 +118,7 @@ def paged_attention(
 
 __all__ = [
     "default_q_positions",
-    "kv_views",
-    "log_n_scale",
     "paged_attention",
-    "rerope_attention_dense",
-    "rerope_prepare",
+    "paged_decode_attention",
     "write_kv",
 ]

@@ -1,8 +1,8 @@
-"""Plain-torch reference implementations of the sparse-attention ops.
+"""Plain-torch reference implementations of the block selection ops.
 
 These are the specification of every Triton kernel in
-:mod:`ucm.sparse.ops.kernels`: the kernel tests compare against them, and the
-dispatcher in :mod:`ucm.sparse.ops` falls back to them when Triton is missing
+:mod:`ucm.sparse.kernels.selection.jit`: the kernel tests compare against them, and the
+dispatcher in :mod:`ucm.sparse.kernels.selection` falls back to them when Triton is missing
 or cannot run on the tensors' device. They favour clarity over speed.
 
 Shape conventions (used throughout :mod:`ucm.sparse`):
@@ -12,7 +12,7 @@ Shape conventions (used throughout :mod:`ucm.sparse`):
 * Paged KV cache of one layer: ``k_cache`` / ``v_cache`` with *logical* shape
   ``[num_blocks, B, H_kv, D]`` (``B`` = tokens per block). Any strided view is
   accepted, so a cache stored as ``[num_blocks, H_kv, B, D]`` or the vLLM CPU
-  layout (see :func:`ucm.sparse.layout.cpu_kv_cache_views`) is passed as a
+  layout (see :func:`ucm.sparse.kernels.views.cpu_kv_cache_views`) is passed as a
   permuted/strided view without copying.
 * ``block_table`` ``[S, max_blocks]`` int32: physical block ids of each
   sequence in attention order; entries past the sequence's blocks are ignored.
@@ -294,48 +294,6 @@ def block_scores_hamming(
         score = score.masked_fill(forced, FORCED_SCORE)
         out[i, :nb] = score
     return out
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Decode attention of one query per sequence over its paged blocks.
-
-    Args:
-        q: ``[S, H_q, D]``.
-        k_cache, v_cache: ``[num_blocks, B, H_kv, D]`` (any strides).
-        block_table: ``[S, max_blocks]`` int; only the first
-            ``ceil(seq_len / B)`` entries of a row are read.
-        seq_lens: ``[S]`` int keys of each sequence (0 gives a zero output).
-        scale: softmax scale, default ``1/sqrt(D)``.
-
-    Returns:
-        ``[S, H_q, D]`` in ``q.dtype`` (computed in fp32).
-    """
-    s, h_q, d = q.shape
-    b, h_kv = k_cache.shape[1], k_cache.shape[2]
-    g = h_q // h_kv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = torch.zeros(s, h_q, d, dtype=torch.float32, device=q.device)
-    for i in range(s):
-        sl = int(seq_lens[i])
-        if sl == 0:
-            continue
-        nb = -(-sl // b)
-        blocks = block_table[i, :nb].long()
-        k = k_cache[blocks].float().reshape(nb * b, h_kv, d)[:sl]
-        v = v_cache[blocks].float().reshape(nb * b, h_kv, d)[:sl]
-        k = k.repeat_interleave(g, dim=1)  # [L, H_q, D]
-        v = v.repeat_interleave(g, dim=1)
-        logits = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale
-        p = torch.softmax(logits, dim=-1)
-        out[i] = torch.einsum("hl,lhd->hd", p, v)
-    return out.to(q.dtype)
 
 
 def dense_attention_weights(

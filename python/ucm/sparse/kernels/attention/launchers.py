@@ -1,8 +1,8 @@
-"""Pure-Python launchers of the (ReRoPE) attention kernels.
+"""Pure-Python launchers of the attention kernels (plain or ReRoPE).
 
-Shapes are those of :mod:`ucm.sparse.rerope.reference`. The launchers check
-shapes, fill in placeholders for the pointers a plain-attention launch never
-reads, pick the tile sizes and the grid, and launch.
+Shapes are those of :mod:`ucm.sparse.kernels.attention.reference`. The
+launchers check shapes, fill in placeholders for the pointers a plain
+attention launch never reads, pick the tile sizes and the grid, and launch.
 """
 
 from __future__ import annotations
@@ -11,21 +11,15 @@ import math
 
 import torch
 
-from ucm.sparse.ops import kernels as _ops_kernels
-from ucm.sparse.ops.launchers import _launch_guard, choose_num_splits, dot_pad
-from ucm.sparse.rerope import kernels
-from ucm.sparse.rerope.reference import default_q_positions
-from ucm.sparse.triton_utils import INTERPRET, cdiv, next_power_of_2
+from ucm.sparse.kernels.attention import jit
+from ucm.sparse.kernels.attention.reference import default_q_positions
+from ucm.sparse.kernels.dispatch import choose_num_splits, dot_pad, launch_guard, require
+from ucm.sparse.kernels.triton_utils import INTERPRET, cdiv, next_power_of_2
 
 #: Query rows (tokens x GQA heads) per prefill program.
 PREFILL_BLOCK_M = 64
 #: Key tokens per prefill tile.
 PREFILL_BLOCK_N = 32
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def prefill_tiles(group: int, block_m: int = PREFILL_BLOCK_M) -> tuple[int, int]:
@@ -36,21 +30,21 @@ def prefill_tiles(group: int, block_m: int = PREFILL_BLOCK_M) -> tuple[int, int]
 
 
 def _common(q, k_cache, v_cache, q_w, k2_cache, window):
-    _check(q.dim() == 3, f"q must be [T, H_q, D], got {tuple(q.shape)}")
-    _check(k_cache.dim() == 4 and v_cache.dim() == 4, "caches must be [num_blocks, B, H_kv, D]")
-    _check(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
-    _check(k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ")
+    require(q.dim() == 3, f"q must be [T, H_q, D], got {tuple(q.shape)}")
+    require(k_cache.dim() == 4 and v_cache.dim() == 4, "caches must be [num_blocks, B, H_kv, D]")
+    require(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
+    require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ")
     h_q, d = q.shape[1], q.shape[2]
     h_kv = k_cache.shape[2]
-    _check(k_cache.shape[3] == d, f"q head dim {d} != cache head dim {k_cache.shape[3]}")
-    _check(h_q % h_kv == 0, f"{h_q} query heads are not a multiple of {h_kv} kv heads")
+    require(k_cache.shape[3] == d, f"q head dim {d} != cache head dim {k_cache.shape[3]}")
+    require(h_q % h_kv == 0, f"{h_q} query heads are not a multiple of {h_kv} kv heads")
     rerope = window is not None
     if rerope:
-        _check(q_w is not None and k2_cache is not None, "ReRoPE needs q_w and k2_cache")
-        _check(q_w.shape == q.shape, "q_w must have q's shape")
-        _check(k2_cache.shape == k_cache.shape, "k2_cache must have k_cache's shape")
-        _check(k2_cache.dtype == k_cache.dtype, "k2_cache must have k_cache's dtype")
-        _check(int(window) >= 1, f"window must be >= 1, got {window}")
+        require(q_w is not None and k2_cache is not None, "ReRoPE needs q_w and k2_cache")
+        require(q_w.shape == q.shape, "q_w must have q's shape")
+        require(k2_cache.shape == k_cache.shape, "k2_cache must have k_cache's shape")
+        require(k2_cache.dtype == k_cache.dtype, "k2_cache must have k_cache's dtype")
+        require(int(window) >= 1, f"window must be >= 1, got {window}")
     else:
         q_w, k2_cache = q, k_cache  # placeholders, never read (REROPE=False)
     upcast = INTERPRET and k_cache.dtype != torch.float32
@@ -74,7 +68,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Triton :func:`ucm.sparse.rerope.reference.paged_attention` (any query lengths).
+    """Triton :func:`ucm.sparse.kernels.attention.reference.paged_attention` (any query lengths).
 
     ``max_query_len`` sizes the grid; ``None`` reads it from
     ``query_start_loc`` (a device sync).
@@ -84,8 +78,8 @@ def paged_prefill_attention(
     )
     t, h_q, _ = q.shape
     s = seq_lens.numel()
-    _check(query_start_loc.numel() == s + 1, "query_start_loc must be [S + 1]")
-    _check(block_table.dim() == 2 and block_table.shape[0] == s, "block_table must be [S, n]")
+    require(query_start_loc.numel() == s + 1, "query_start_loc must be [S + 1]")
+    require(block_table.dim() == 2 and block_table.shape[0] == s, "block_table must be [S, n]")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if out is None:
         out = torch.empty(t, h_q, d, dtype=q.dtype, device=q.device)
@@ -94,7 +88,7 @@ def paged_prefill_attention(
     dev = q.device
     if q_positions is None:
         q_positions = default_q_positions(seq_lens, query_start_loc)
-    _check(q_positions.numel() == t, "q_positions must have one entry per query token")
+    require(q_positions.numel() == t, "q_positions must have one entry per query token")
     q_positions = q_positions.to(device=dev, dtype=torch.int32).contiguous()
     qsl = query_start_loc.to(device=dev, dtype=torch.int32).contiguous()
     seq_lens = seq_lens.to(device=dev, dtype=torch.int32).contiguous()
@@ -103,8 +97,8 @@ def paged_prefill_attention(
         max_query_len = int((qsl[1:] - qsl[:-1]).max())
     bm, bq = prefill_tiles(g)
     grid = (s, cdiv(max_query_len, bq), h_kv)
-    with _launch_guard():
-        kernels.paged_prefill_kernel[grid](
+    with launch_guard():
+        jit.paged_prefill_kernel[grid](
             q,
             q_w,
             k_cache,
@@ -156,14 +150,17 @@ def paged_decode_attention(
     """One query per sequence (``q`` ``[S, H_q, D]``), flash-decoding over paged KV.
 
     ``q_positions`` ``[S]`` defaults to ``seq_lens - 1``. Same result as
-    :func:`paged_prefill_attention` with one query token per sequence.
+    :func:`paged_prefill_attention` with one query token per sequence; plain
+    decode attention over (selected) blocks is this with no ``window``
+    (:func:`ucm.sparse.kernels.attention.reference.paged_decode_attention`).
+    ``num_splits`` forces the split count (default: :func:`choose_num_splits`).
     """
     q_w, k2_cache, h_kv, g, d, rerope, upcast, ieee = _common(
         q, k_cache, v_cache, q_w, k2_cache, window
     )
     s, h_q, _ = q.shape
-    _check(seq_lens.numel() == s, "seq_lens must be [S]")
-    _check(block_table.dim() == 2 and block_table.shape[0] == s, "block_table must be [S, n]")
+    require(seq_lens.numel() == s, "seq_lens must be [S]")
+    require(block_table.dim() == 2 and block_table.shape[0] == s, "block_table must be [S, n]")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if out is None:
         out = torch.empty(s, h_q, d, dtype=q.dtype, device=q.device)
@@ -180,8 +177,8 @@ def paged_decode_attention(
     acc = torch.empty(s, h_q, splits, d, dtype=torch.float32, device=dev)
     m = torch.empty(s, h_q, splits, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
-    with _launch_guard():
-        kernels.paged_decode_split_kernel[(s, h_kv, splits)](
+    with launch_guard():
+        jit.paged_decode_split_kernel[(s, h_kv, splits)](
             q,
             q_w,
             k_cache,
@@ -214,8 +211,8 @@ def paged_decode_attention(
             IEEE=ieee,
             UPCAST=upcast,
         )
-    with _launch_guard():
-        _ops_kernels.paged_decode_reduce_kernel[(s, h_q)](
+    with launch_guard():
+        jit.paged_decode_reduce_kernel[(s, h_q)](
             acc,
             m,
             lsum,

@@ -1,11 +1,11 @@
-"""Plain-torch references of the Blend kernels (the specification the kernel tests use).
+"""Plain-torch references of the key kernels (the specification the kernel tests use).
 
-Shapes (see :mod:`ucm.sparse.ops.reference` for the shared conventions):
+Shapes (see :mod:`ucm.sparse.kernels.selection.reference` for the shared conventions):
 
 * ``k_cache`` ``[num_blocks, B, H_kv, D]``: the *logical* view of one layer's
   paged K; any strides, so the vLLM CPU layout (K stored transposed
   ``[D, B]`` inside each ``(block, head)`` slab, see
-  :func:`ucm.sparse.layout.cpu_kv_cache_views`) and the GPU flash layout are
+  :func:`ucm.sparse.kernels.views.cpu_kv_cache_views`) and the GPU flash layout are
   passed as views without a copy. A plain ``[T, H, D]`` tensor is the same
   thing with ``B = 1`` (``k.unsqueeze(1)``); :func:`delta_rope_tokens` takes
   it directly with one delta per token.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse.rerope.rope import cos_sin_at, rotate
+from ucm.sparse.kernels.rope import cos_sin_at, rotate
 
 
 def delta_rope(

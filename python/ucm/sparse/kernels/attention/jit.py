@@ -1,7 +1,7 @@
-"""Triton kernels of (ReRoPE) attention over paged KV (the ``@triton.jit`` layer).
+"""Triton kernels of attention over paged KV (the ``@triton.jit`` layer).
 
-Launchers: :mod:`ucm.sparse.rerope.launchers`; specification:
-:func:`ucm.sparse.rerope.reference.paged_attention`.
+Launchers: :mod:`ucm.sparse.kernels.attention.launchers`; specification:
+:mod:`ucm.sparse.kernels.attention.reference`.
 
 Per key tile both kernels decide from the tile's relative-position range
 which scores they need: a tile entirely inside the window computes only
@@ -10,7 +10,8 @@ which scores they need: a tile entirely inside the window computes only
 pick per element (``q_pos - j < W``). Long prompts therefore cost about one
 score product per tile plus one extra on a band of width ``W``, not two
 everywhere. ``REROPE = False`` compiles the plain (position-causal)
-attention that Blend uses for its non-contiguous recomputed tokens.
+attention that sparse decode over selected blocks and Blend's
+non-contiguous recomputed tokens use.
 
 Block ids, token offsets and anything multiplied by a cache stride are
 widened to int64. ``UPCAST`` computes the products in fp32 (the launcher
@@ -20,7 +21,7 @@ bfloat16), ``IEEE`` asks for exact fp32 products.
 
 from __future__ import annotations
 
-from ucm.sparse.triton_utils import tl, triton
+from ucm.sparse.kernels.triton_utils import tl, triton
 
 
 @triton.jit
@@ -308,7 +309,7 @@ def paged_decode_split_kernel(
     ``0 .. min(seq_len, q_pos + 1)``). Split ``p`` covers a contiguous range
     of the sequence's blocks, one block per tile, and writes the unnormalised
     ``acc``, running max ``m`` and normaliser ``l`` of the ``G`` heads;
-    :func:`ucm.sparse.ops.kernels.paged_decode_reduce_kernel` combines them.
+    :func:`paged_decode_reduce_kernel` combines them.
     """
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -401,3 +402,49 @@ def paged_decode_split_kernel(
     ml_off = s * stride_ms + heads * stride_mh + sp * stride_mp
     tl.store(m_ptr + ml_off, m_i, mask=mask_g)
     tl.store(l_ptr + ml_off, l_i, mask=mask_g)
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ad,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    stride_os,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Grid ``(S, H_q)``: combines the split partials into the output (0 if no keys)."""
+    s = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    offs_p = tl.arange(0, SPLITS_PAD)
+    mask_p = offs_p < NUM_SPLITS
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    ml_off = s * stride_ms + hq * stride_mh + offs_p * stride_mp
+    m = tl.load(m_ptr + ml_off, mask=mask_p, other=float("-inf"))
+    l_part = tl.load(l_ptr + ml_off, mask=mask_p, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
+    live = m > float("-inf")
+    w = tl.where(live, tl.exp(tl.where(live, m, m_ref) - m_ref), 0.0)
+    total = tl.sum(w * l_part, axis=0)
+    a_ptrs = acc_ptr + s * stride_as + hq * stride_ah + offs_p[:, None] * stride_ap
+    acc = tl.load(
+        a_ptrs + offs_d[None, :] * stride_ad, mask=mask_p[:, None] & mask_d[None, :], other=0.0
+    )
+    num = tl.sum(acc * w[:, None], axis=0)
+    out = tl.where(total > 0, num / tl.where(total > 0, total, 1.0), 0.0)
+    o_ptrs = out_ptr + s * stride_os + hq * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)

@@ -1,20 +1,22 @@
-"""Blend ops with Triton kernels and torch fallbacks (``impl`` as in :mod:`ucm.sparse.ops`).
+"""Ops on cached keys: delta-RoPE (move paged keys to other positions) and
+the deviation of fresh keys from cached ones.
 
-* ``"auto"``: the kernel when Triton can run on the tensors (CUDA, or CPU
-  under ``TRITON_INTERPRET=1``), else the torch reference;
-* ``"triton"``: the kernel or :class:`RuntimeError`; ``"torch"``: the reference.
+Blend moves reused chunks with :func:`delta_rope` and finds the tokens to
+recompute with :func:`kv_deviation`; ReRoPE un-rotates loaded keys with
+:func:`delta_rope`. Triton kernels (:mod:`.jit`) or torch references
+(:mod:`.reference`), as ``impl`` says (:mod:`ucm.sparse.kernels.dispatch`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ucm.sparse.blend import reference
-from ucm.sparse.ops import Impl, _use_triton
-from ucm.sparse.triton_utils import HAS_TRITON
+from ucm.sparse.kernels.dispatch import Impl, use_triton
+from ucm.sparse.kernels.keys import reference
+from ucm.sparse.kernels.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
-    from ucm.sparse.blend import launchers as _launchers
+    from ucm.sparse.kernels.keys import launchers as _launchers
 else:  # pragma: no cover - depends on the environment
     _launchers = None
 
@@ -34,7 +36,7 @@ def delta_rope(
     ``validate=False`` skips the kernel launcher's checks that read device
     values back (distinct block ids, deltas inside the table): hot paths.
     """
-    if _use_triton(impl, k_cache):
+    if use_triton(impl, k_cache):
         _launchers.delta_rope(
             k_cache, block_ids, deltas, cos_sin_cache, is_neox, num_tokens, validate
         )
@@ -50,7 +52,7 @@ def delta_rope_tokens(
     impl: Impl = "auto",
 ) -> None:
     """Rotates a plain ``[T, H, D]`` key tensor by per-token ``deltas`` ``[T]`` in place."""
-    if _use_triton(impl, k):
+    if use_triton(impl, k):
         _launchers.delta_rope_tokens(k, deltas, cos_sin_cache, is_neox)
     else:
         reference.delta_rope_tokens(k, deltas, cos_sin_cache, is_neox)
@@ -60,7 +62,7 @@ def kv_deviation(
     k_cache: torch.Tensor, slots: torch.Tensor, k_fresh: torch.Tensor, impl: Impl = "auto"
 ) -> torch.Tensor:
     """``[T]`` fp32 L1 deviation between cached keys (through ``slots``) and fresh ones."""
-    if _use_triton(impl, k_fresh):
+    if use_triton(impl, k_fresh):
         return _launchers.kv_deviation(k_cache, slots, k_fresh)
     return reference.kv_deviation(k_cache, slots, k_fresh)
 
