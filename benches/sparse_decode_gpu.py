@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
 from ucm.sparse.kernels import attention, selection
-from ucm.sparse.layout import make_offload_plan
+from ucm.sparse.offload import make_offload_plan
 
 
 @dataclass(frozen=True)

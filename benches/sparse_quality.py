@@ -54,12 +54,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from ucm.sparse.esa import esa_representatives, esa_scores, topk_sorted
+from ucm.sparse.esa import esa_representatives, esa_scores
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
 from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kernels.dispatch import Impl, triton_usable
 from ucm.sparse.kvstar import kvstar_channels, kvstar_representatives, kvstar_scores
-from ucm.sparse.layout import make_offload_plan
+from ucm.sparse.offload import make_offload_plan, topk_sorted
 from ucm.testing.synthetic import SparseCase, planted_case, random_llama_case
 
 RATIOS = (0.1, 0.2, 0.3)

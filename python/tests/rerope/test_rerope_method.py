@@ -9,7 +9,7 @@ import torch
 
 from ucm.shared.config import ConfigError
 from ucm.sparse import SparseModelInfo, UcmSparseFactory, UcmSparseRole
-from ucm.sparse.config import build_method_config
+from ucm.sparse.factory import build_method_config
 from ucm.sparse.kernels.attention import reference as attention_ref
 from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
 from ucm.sparse.kernels.views import cpu_kv_cache_views

@@ -12,11 +12,11 @@ from support.offload_sim import run_offload_sim
 
 from ucm.sparse import INVALID_SLOT, ESAConfig, GSAConfig, KVStarConfig, SparseModelInfo
 from ucm.sparse import UcmSparseRole as Role
-from ucm.sparse.esa import ESA, esa_representatives, esa_scores, topk_sorted
+from ucm.sparse.esa import ESA, esa_representatives, esa_scores
 from ucm.sparse.gsa import GSA, SRPHashEncoder, gsa_select
 from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kvstar import KVStar, kvstar_channels
-from ucm.sparse.layout import OffloadPlan
+from ucm.sparse.offload import OffloadPlan, topk_sorted
 from ucm.testing.synthetic import planted_case, random_llama_case
 
 B = 16

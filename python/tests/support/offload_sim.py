@@ -5,7 +5,7 @@ in for the UCM store. Prefill writes the prompt's KV into dense blocks and
 "dumps" its full blocks to the store; the request is then compressed
 (``[init | swap slots | local]``), its dense prompt blocks freed; each decode
 step appends the new token at the compressed position, carries out the
-selector's :class:`~ucm.sparse.retrieval.StepActions` (loads copy blocks from
+selector's :class:`~ucm.sparse.offload.retrieval.StepActions` (loads copy blocks from
 the store into swap slots) and runs the paged decode kernel over the
 attention view. Every step's output is compared with dense attention.
 """
@@ -18,8 +18,7 @@ import torch
 
 from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kernels.dispatch import Impl
-from ucm.sparse.layout import OffloadPlan
-from ucm.sparse.offload import OffloadSparseBase
+from ucm.sparse.offload import OffloadPlan, OffloadSparseBase
 
 
 @dataclass

@@ -24,15 +24,16 @@ There is no offload: the full KV stays on the device.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ucm.sparse.base import INVALID_SLOT, UcmSparseBase, UcmSparseRole
-from ucm.sparse.config import GSAConfig
+from ucm.sparse.gsa.config import GSAConfig
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.dispatch import Impl
-from ucm.sparse.layout import gsa_shortened_len, gsa_topk_blocks
+from ucm.sparse.kernels.triton_utils import cdiv
 
 DENSE, SPARSE, REUSE = "dense", "sparse", "reuse"
 
@@ -122,6 +123,28 @@ def gsa_select(
     new_lens = seq_lens.to(dev).long() - (nb - keep) * b
     selected = torch.where(valid, chosen, torch.full_like(chosen, -1))
     return new_table.to(block_table.dtype), new_lens.to(seq_lens.dtype), selected
+
+
+def gsa_topk_blocks(
+    seq_len: int, block_size: int, topk_tokens: int | None, sparse_ratio: float | None
+) -> int:
+    """Blocks GSA keeps for a sequence of ``seq_len`` tokens (all of them if fewer)."""
+    nb = cdiv(seq_len, block_size)
+    if topk_tokens is not None:
+        k = cdiv(topk_tokens, block_size)
+    else:
+        k = math.ceil(nb * float(sparse_ratio or 1.0))
+    return max(1, min(nb, k))
+
+
+def gsa_shortened_len(seq_len: int, block_size: int, keep_blocks: int) -> int:
+    """Sequence length over ``keep_blocks`` selected blocks, the partial tail kept.
+
+    The tail block is always selected (it is recent), so the shortened length
+    drops only whole blocks: ``seq_len - (nblocks - keep_blocks) * B``.
+    """
+    nb = cdiv(seq_len, block_size)
+    return seq_len - max(0, nb - keep_blocks) * block_size
 
 
 class GSA(UcmSparseBase):
@@ -243,4 +266,4 @@ class GSA(UcmSparseBase):
         return self._last_selection
 
 
-__all__ = ["GSA", "SRPHashEncoder", "gsa_select", "gsa_shortened_len"]
+__all__ = ["GSA", "SRPHashEncoder", "gsa_select", "gsa_shortened_len", "gsa_topk_blocks"]

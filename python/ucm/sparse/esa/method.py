@@ -8,7 +8,7 @@ The device keeps the init window, the local window and the top
 ``k = floor(R * sparse_ratio)`` middle blocks; the rest of the prompt KV lives
 in the UCM store. Selection is synchronous on the first decode step and then
 re-run every ``retrieval_stride`` steps asynchronously, loading only the
-blocks that changed (:class:`~ucm.sparse.retrieval.RetrievalCadence.esa`).
+blocks that changed (:class:`~ucm.sparse.offload.retrieval.RetrievalCadence.esa`).
 
 There is no paper; the design is Quest/InfLLM-style (see
 ``shared/reference/ucm-original-connector-and-sparse.md`` section 3.1).
@@ -21,12 +21,18 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.config import ESAConfig
+from ucm.sparse.esa.config import ESAConfig
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.dispatch import Impl
-from ucm.sparse.layout import OffloadPlan
-from ucm.sparse.offload import OffloadSelectorBase, OffloadSparseBase
-from ucm.sparse.retrieval import Executor, OffloadRetrieval, RetrievalCadence
+from ucm.sparse.offload import (
+    Executor,
+    OffloadPlan,
+    OffloadRetrieval,
+    OffloadSelectorBase,
+    OffloadSparseBase,
+    RetrievalCadence,
+    topk_sorted,
+)
 
 
 def esa_representatives(
@@ -43,15 +49,6 @@ def esa_scores(q: torch.Tensor, reps: torch.Tensor, impl: Impl = "auto") -> torc
     table = torch.arange(n, dtype=torch.int32, device=reps.device).unsqueeze(0)
     num = torch.tensor([n], dtype=torch.int32, device=reps.device)
     return selection.block_scores_dot(q.unsqueeze(0), reps, table, num, impl=impl)[0]
-
-
-def topk_sorted(scores: torch.Tensor, k: int, largest: bool = True) -> list[int]:
-    """Indices of the ``k`` best scores in ascending index order (ties: lower index)."""
-    if k <= 0:
-        return []
-    k = min(k, scores.numel())
-    order = torch.sort(scores.float(), descending=largest, stable=True).indices[:k]
-    return sorted(int(i) for i in order.tolist())
 
 
 class ESASelector(OffloadSelectorBase):

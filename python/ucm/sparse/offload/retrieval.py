@@ -1,7 +1,7 @@
 """Retrieval state machine shared by the offloading methods (ESA, KVStar).
 
 One :class:`OffloadRetrieval` drives one (request, layer). Its device KV has
-``k`` *swap slots* (see :mod:`ucm.sparse.layout`), each holding one middle
+``k`` *swap slots* (see :mod:`ucm.sparse.offload.plan`), each holding one middle
 block loaded from the UCM store. Every decode step the driver (the vLLM hook
 layer, a test or a benchmark) calls :meth:`OffloadRetrieval.begin_step` with
 the layer's query, before the layer's attention, and carries out the returned

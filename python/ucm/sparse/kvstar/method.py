@@ -9,7 +9,7 @@ for every query and query head, a softmax over all ``n * M`` representatives,
 a block's vote being its softmax mass summed over queries and heads. The top
 ``ceil(n * sparse_ratio)`` blocks are kept besides the init and local windows.
 
-Cadence (:meth:`~ucm.sparse.retrieval.RetrievalCadence.kvstar`): decode step
+Cadence (:meth:`~ucm.sparse.offload.retrieval.RetrievalCadence.kvstar`): decode step
 1 selects synchronously with the last prefill queries; every
 ``retrieval_stride`` steps the last decode queries are submitted, and the
 result is loaded one stride later, only the blocks that changed (*delayed
@@ -27,13 +27,18 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.config import KVStarConfig
-from ucm.sparse.esa import topk_sorted
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.dispatch import Impl
-from ucm.sparse.layout import OffloadPlan
-from ucm.sparse.offload import OffloadSelectorBase, OffloadSparseBase
-from ucm.sparse.retrieval import Executor, OffloadRetrieval, RetrievalCadence
+from ucm.sparse.kvstar.config import KVStarConfig
+from ucm.sparse.offload import (
+    Executor,
+    OffloadPlan,
+    OffloadRetrieval,
+    OffloadSelectorBase,
+    OffloadSparseBase,
+    RetrievalCadence,
+    topk_sorted,
+)
 
 
 def kvstar_channels(

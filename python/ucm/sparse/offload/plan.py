@@ -1,6 +1,6 @@
-"""Block arithmetic of sparsed requests.
+"""Block arithmetic of offloaded requests (ESA, KVStar).
 
-**Offload layout** (ESA, KVStar). A prompt of ``P`` tokens covers
+**Offload layout**. A prompt of ``P`` tokens covers
 ``N = ceil(P / B)`` logical blocks, split into
 
 * the *init window*: blocks ``[0, n_init)``;
@@ -16,7 +16,7 @@ decode]``, so its device length is
 (the original ESA budget). Every device block except the last is full, which
 is what the paged decode kernel needs. RoPE positions stay the true ones.
 
-On vLLM (:mod:`ucm.integration.vllm.sparse_bridge`) the request's block list
+On vLLM (:mod:`ucm.integration.vllm.sparse`) the request's block list
 keeps its dense length: the first ``k`` middle blocks serve as the swap slots
 and the other ``R - k`` are replaced by vLLM's ``null_block`` and freed, so
 the request holds exactly :meth:`OffloadPlan.device_blocks` blocks while
@@ -149,25 +149,3 @@ def make_offload_plan(
     if k >= r:
         return None
     return OffloadPlan(prompt_len, block_size, n_init, n_local, k)
-
-
-def gsa_topk_blocks(
-    seq_len: int, block_size: int, topk_tokens: int | None, sparse_ratio: float | None
-) -> int:
-    """Blocks GSA keeps for a sequence of ``seq_len`` tokens (all of them if fewer)."""
-    nb = cdiv(seq_len, block_size)
-    if topk_tokens is not None:
-        k = cdiv(topk_tokens, block_size)
-    else:
-        k = math.ceil(nb * float(sparse_ratio or 1.0))
-    return max(1, min(nb, k))
-
-
-def gsa_shortened_len(seq_len: int, block_size: int, keep_blocks: int) -> int:
-    """Sequence length over ``keep_blocks`` selected blocks, the partial tail kept.
-
-    The tail block is always selected (it is recent), so the shortened length
-    drops only whole blocks: ``seq_len - (nblocks - keep_blocks) * B``.
-    """
-    nb = cdiv(seq_len, block_size)
-    return seq_len - max(0, nb - keep_blocks) * block_size

@@ -3,7 +3,7 @@
 Scheduler side: the compressed slot budget of each request
 (:meth:`OffloadSparseBase.estimate_num_slots_sparsed`). Worker side: one
 *selector* per request holding per-layer representatives and
-:class:`~ucm.sparse.retrieval.OffloadRetrieval` state machines, driven through
+:class:`~ucm.sparse.offload.retrieval.OffloadRetrieval` state machines, driven through
 three engine-neutral calls the vLLM hook layer (or a test) makes:
 
 * :meth:`OffloadSparseBase.on_prefill_finished` at the end of the last prefill
@@ -20,8 +20,17 @@ from typing import Any
 import torch
 
 from ucm.sparse.base import INVALID_SLOT, UcmSparseBase, UcmSparseRole
-from ucm.sparse.layout import OffloadPlan, make_offload_plan
-from ucm.sparse.retrieval import Executor, InlineExecutor, StepActions, ThreadExecutor
+from ucm.sparse.offload.plan import OffloadPlan, make_offload_plan
+from ucm.sparse.offload.retrieval import Executor, InlineExecutor, StepActions, ThreadExecutor
+
+
+def topk_sorted(scores: torch.Tensor, k: int, largest: bool = True) -> list[int]:
+    """Indices of the ``k`` best scores in ascending index order (ties: lower index)."""
+    if k <= 0:
+        return []
+    k = min(k, scores.numel())
+    order = torch.sort(scores.float(), descending=largest, stable=True).indices[:k]
+    return sorted(int(i) for i in order.tolist())
 
 
 class OffloadSelectorBase:
