@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ucm.integration.vllm.worker import rank_keys
+from ucm.integration.vllm.transfer import rank_keys
 
 BS = 32
 MAX_TOKENS = 8

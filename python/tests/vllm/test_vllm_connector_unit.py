@@ -21,7 +21,8 @@ import torch
 
 from ucm.integration.vllm.config import resolve_config
 from ucm.integration.vllm.scheduler import KVGeometry, UCMSchedulerSide
-from ucm.integration.vllm.worker import UCMWorkerSide, rank_keys
+from ucm.integration.vllm.transfer import rank_keys
+from ucm.integration.vllm.worker import UCMWorkerSide
 
 L, NB, H, BS, C = 3, 24, 2, 32, 64  # layers, vLLM blocks, KV heads, tokens/block, 2*head_dim
 SHARD = H * BS * C * 4
@@ -423,7 +424,7 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     a.admit(req, [0, 1])
     a.kv[:, :2] = torch.randn(L, 2, H, BS, C)
     a.step(sched_output(new=[("r1", 0, 2 * BS)]))
-    a.worker._wait_saves(None, 10)
+    a.worker.wait_for_saves(None, 10)
     rank0_ids = a.sched._ids(req)
     store = a.worker.store.get()
     assert store.lookup(rank0_ids) == [False, False]

@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 
+from ucm.integration.vllm.transfer import PendingLoad, rank_keys
 from ucm.shared.logging import get_logger
 from ucm.sparse import state
 from ucm.sparse.base import INVALID_SLOT, UcmSparseBase, UcmSparseRole
@@ -406,12 +407,7 @@ class _SwapLoad:
 
     retrieval: Any
     slots: list[int]
-    store: Any = None
-    task: Any = None
-    pos: int = 0
-    blocks: list[int] = field(default_factory=list)
-    host: Any = None
-    error: str | None = None
+    pending: PendingLoad | None = None
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -511,7 +507,7 @@ class SparseWorkerBridge:
         for r in step.requests:
             if r.store_ids is None or r.req_id not in self.agent.selectors:
                 continue
-            if not self.side._wait_saves({r.req_id}, SAVE_WAIT_S):
+            if not self.side.wait_for_saves({r.req_id}, SAVE_WAIT_S):
                 logger.error(
                     "sparse %s: prompt saves still pending after %ss", r.req_id, SAVE_WAIT_S
                 )
@@ -747,38 +743,27 @@ class SparseWorkerBridge:
         self, load: _SwapLoad, layer_name: str, ids: list[bytes], blocks: list[int]
     ) -> None:
         """Starts loading store blocks ``ids`` into device ``blocks`` for one layer."""
-        from ucm.integration.vllm.worker import rank_keys
-
         w = self.side
-        load.store = w.store.get() if w.store is not None else None
-        if load.store is None:
-            load.error = "the store is unusable"
-            return
-        load.pos, load.blocks = w._layer_pos[layer_name], blocks
-        keys = rank_keys(ids, w.key_rank)
-        host_addrs = None
-        if w.staging is not None:
-            load.host, host_addrs = w.staging.alloc(1, len(keys))
-        rep_ids, shard_idx, addrs = w._shard_plan([load.pos], keys, blocks, host_addrs)
-        try:
-            load.task = load.store.load_data(rep_ids, shard_idx, addrs)
-        except Exception as e:
-            load.error = str(e)
+        assert w.transfer is not None
+        pos = w.transfer.layer_position(layer_name)
+        assert pos is not None
+        store = w.store.get() if w.store is not None else None
+        load.pending = w.transfer.load(store, [pos], rank_keys(ids, w.key_rank), blocks)
 
     def _finish_load(self, load: _SwapLoad) -> None:
         """Waits for ``load``; a failed one empties its slots (never attend unknown KV)."""
-        if load.error is None:
+        assert load.pending is not None and self.side.transfer is not None
+        err = load.pending.wait()
+        if err is None:
             try:
-                load.store.wait(load.task)
-                if self.side.staging is not None:
-                    self.side.staging.scatter(load.host, [load.pos], load.blocks)
+                self.side.transfer.finish_load(load.pending)
             except Exception as e:
-                load.error = str(e)
-        if load.error is None:
+                err = e
+        if err is None:
             self.stats["blocks_loaded"] += len(load.slots)
             return
         self.stats["load_failures"] += len(load.slots)
-        logger.error("sparse: loading %d selected blocks failed: %s", len(load.slots), load.error)
+        logger.error("sparse: loading %d selected blocks failed: %s", len(load.slots), err)
         for s in load.slots:
             load.retrieval.swap.pending.pop(s, None)
             load.retrieval.swap.resident[s] = -1
