@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ucm.sparse import SparseModelInfo, UcmSparseRole
-from ucm.sparse.blend import Blend, BlendConfig, BlendStep, build_step, layer_index, select_hkvd
+from ucm.sparse.base import layer_index
+from ucm.sparse.blend import Blend, BlendConfig, BlendStep, build_step, select_hkvd
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, BlockLoad
 from ucm.sparse.blend.select import BlendRequestRows
 from ucm.sparse.kernels.views import cpu_kv_cache_views

@@ -32,9 +32,9 @@ WINDOW, TRAINING = 128, 512
 def main() -> None:
     import torch
 
+    from ucm.integration.vllm.sparse.rerope import install_rerope
     from ucm.sparse.kernels.rope import rope_cos_sin_cache
     from ucm.sparse.rerope.config import ReRoPEConfig
-    from ucm.sparse.rerope.vllm_patch import install_rerope
     from ucm.testing import refmodel as rm
     from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
@@ -139,7 +139,7 @@ def connector_main(model_dir: object, store: str) -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(4, 512) for _ in range(PROMPT_LEN)]
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
-    inst = get_kv_transfer_group()._worker._rerope
+    inst = get_kv_transfer_group().sparse.patch
     runs = []
     for _ in range(2):
         out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]

@@ -125,8 +125,8 @@ class Run:
 
     def close(self) -> dict[str, Any]:
         """Shuts the engine down; reports whether every hook was removed."""
-        from ucm.sparse import state
-        from ucm.sparse.vllm_hooks import is_wrapped
+        from ucm.integration.vllm.sparse import state
+        from ucm.integration.vllm.sparse.hooks import is_wrapped
 
         kvm = self.scheduler.kv_cache_manager
         was = {
@@ -205,7 +205,7 @@ def scenario_exact(model: Path, work: Path) -> dict[str, Any]:
 
 
 def scenario_offload(model: Path, work: Path) -> dict[str, Any]:
-    from ucm.integration.vllm import sparse_bridge
+    from ucm.integration.vllm.sparse import offload
 
     rng = random.Random(2)
     prompt = [rng.randrange(4, 512) for _ in range(8192)]
@@ -237,7 +237,7 @@ def scenario_offload(model: Path, work: Path) -> dict[str, Any]:
         res[f"{name}_decode_tps"] = r.decode_tps
         res[f"{name}_stats"] = r.worker_stats()
         if name == "offload":
-            _rid, fp = sparse_bridge.FINISHED_FOOTPRINTS[-1]
+            _rid, fp = offload.FINISHED_FOOTPRINTS[-1]
             res["footprint"] = {
                 "prompt_len": fp.prompt_len,
                 "compressed": fp.compressed,

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ucm.integration.vllm.sparse.rerope import ReRoPERotary
 from ucm.shared.config import ConfigError
 from ucm.sparse import SparseModelInfo, UcmSparseFactory, UcmSparseRole
 from ucm.sparse.factory import build_method_config
@@ -15,7 +16,6 @@ from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
 from ucm.sparse.kernels.views import cpu_kv_cache_views
 from ucm.sparse.rerope import ReRoPE, ReRoPEConfig
 from ucm.sparse.rerope import reference as ref
-from ucm.sparse.rerope.vllm_patch import ReRoPERotary
 
 INFO = SparseModelInfo(block_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
 NAME = "model.layers.0.self_attn.attn"

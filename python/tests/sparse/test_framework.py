@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ucm.integration.vllm.sparse import state
 from ucm.shared.config import ConfigError
 from ucm.sparse import (
     INVALID_SLOT,
@@ -23,7 +24,6 @@ from ucm.sparse import (
     UcmSparseRole,
     parse_sparse_config,
     sparse_config_from_connector,
-    state,
 )
 from ucm.sparse.esa import ESA
 from ucm.sparse.gsa import GSA

@@ -7,14 +7,11 @@ from typing import Any
 
 import pytest
 
-from ucm.integration.vllm.sparse_bridge import (
-    SparseReqStep,
-    create_bridge,
-    layer_index,
-    sparse_spec,
-)
+from ucm.integration.vllm.sparse.bridge import create_bridge, sparse_spec
+from ucm.integration.vllm.sparse.hooks import UnsupportedVllmError
+from ucm.integration.vllm.sparse.steps import SparseReqStep
 from ucm.shared.config import ConfigError
-from ucm.sparse.vllm_hooks import UnsupportedVllmError
+from ucm.sparse.base import layer_index
 
 
 def _resolved(extra: dict[str, Any]) -> Any:

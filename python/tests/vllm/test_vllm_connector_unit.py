@@ -269,7 +269,7 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path, lookahead: in
     save_prompt(a, "r1", toks, [0, 1, 2, 3])
     a.close()
     # Corrupt the third block's file.
-    ids = a.sched._ids(FakeRequest("x", toks))
+    ids = a.sched.store_keys(FakeRequest("x", toks))
     path = Path(a.sched.store.get().block_path(ids[2]))
     raw = bytearray(path.read_bytes())
     raw[4096 + 100] ^= 0xFF
@@ -425,7 +425,7 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     a.kv[:, :2] = torch.randn(L, 2, H, BS, C)
     a.step(sched_output(new=[("r1", 0, 2 * BS)]))
     a.worker.wait_for_saves(None, 10)
-    rank0_ids = a.sched._ids(req)
+    rank0_ids = a.sched.store_keys(req)
     store = a.worker.store.get()
     assert store.lookup(rank0_ids) == [False, False]
     assert store.lookup(rank_keys(rank0_ids, 1)) == [True, True]
@@ -439,5 +439,5 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     assert b.sched.request_finished(req, [0, 1]) == (True, None)
     _, done = b.step(sched_output(finished={"r2"}), {"r2"})
     assert done == {"r2"}
-    assert b.worker.store.get().lookup(b.sched._ids(req)) == [False, False]
+    assert b.worker.store.get().lookup(b.sched.store_keys(req)) == [False, False]
     b.close()

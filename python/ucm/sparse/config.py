@@ -58,6 +58,15 @@ def parse_sparse_config(raw: Mapping[str, Any] | None) -> SparseMethodSpec | Non
     )
 
 
+def method_kv_namespace(raw: Mapping[str, Any] | None) -> str:
+    """What the method chosen by ``ucm_sparse_config`` adds to the block-id
+    namespace (:meth:`~ucm.sparse.base.UcmSparseBase.kv_namespace`; "" for none)."""
+    spec = parse_sparse_config(raw)
+    if spec is None:
+        return ""
+    return UcmSparseFactory.get_class(spec.name).kv_namespace(spec.config)
+
+
 def sparse_config_from_connector(extra_config: Mapping[str, Any] | None) -> SparseMethodSpec | None:
     """The method configured in a connector's ``kv_connector_extra_config``, if any."""
     if not extra_config:

@@ -12,7 +12,7 @@ null: no connector), ``kv_role`` (default ``kv_both``), ``llm`` (more
 prefixed with ``@@RESULT@@``: per op the greedy tokens, the first token's
 top ``logprobs`` log probabilities, the wall and CPU (whole process)
 seconds of every call, and what Blend counted during the last one
-(:data:`ucm.sparse.blend.vllm_integration.STATS`, ``STEP_LOG``). The engine
+(:data:`ucm.integration.vllm.sparse.blend.STATS`, ``STEP_LOG``). The engine
 core and the worker run in this process, so the counters of both connector
 halves are visible here.
 """
@@ -38,7 +38,7 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from ucm.sparse.blend import vllm_integration as vi
+    from ucm.integration.vllm.sparse import blend as vi
     from ucm.testing.harness import CONNECTOR
 
     kwargs = dict(
@@ -65,7 +65,7 @@ def main() -> None:
             # of kept rows, or Blend.sparse_attention (the path of other backends)
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            get_kv_transfer_group()._worker._blend.native_runs = bool(op["blend_native_runs"])
+            get_kv_transfer_group().sparse.patch.native_runs = bool(op["blend_native_runs"])
         params = op.get("params") or [None] * len(op["prompts"])
         sps = [
             SamplingParams(

@@ -74,7 +74,7 @@ class UcmConnectorConfig:
     ucm_sparse_config: dict[str, Any] | None = None
     """Sparse attention: ``{METHOD: {...}}``, one of ESA, GSA, KVStar, Blend, ReRoPE or a
     registered method (see :mod:`ucm.sparse.config`).
-    Parsed and validated by :mod:`ucm.integration.vllm.sparse_bridge` when the connector starts."""
+    Parsed and validated by :mod:`ucm.integration.vllm.sparse.bridge` when the connector starts."""
     load_only_first_rank: bool = False
     """Accepted for compatibility; ignored (every rank loads its own heads)."""
     enable_event_sync: bool = True

@@ -18,13 +18,9 @@ class ReqTransfer:
     load_blocks: list[int] = field(default_factory=list)
     save_ids: list[bytes] = field(default_factory=list)
     save_blocks: list[int] = field(default_factory=list)
-    load_first: int = 0
-    """Block index in the request of ``load_blocks[0]`` (prefix loads are
-    consecutive): ReRoPE derives the loaded blocks' un-rotated keys from it."""
-    blend: Any = None
-    """Blend (``ucm_sparse_config: {Blend: ...}``): the request's
-    :class:`~ucm.sparse.blend.vllm_integration.BlendReqMeta` in the step that
-    loads its chunks (their ids and blocks are in ``load_*`` too)."""
+    sparse: Any = None
+    """The sparse method's payload for this request (opaque to the
+    connector; see :class:`~ucm.integration.vllm.scheduler.SchedulerExtension`)."""
 
 
 @dataclass
@@ -35,6 +31,8 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     requests: list[ReqTransfer] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_scheduled_tokens: int = 0
+    sparse: Any = None
+    """The sparse bridge's facts of this step (``ucm_sparse_config``)."""
 
     @property
     def has_loads(self) -> bool:

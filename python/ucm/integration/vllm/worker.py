@@ -34,7 +34,7 @@ from typing import Any
 
 from ucm.integration.vllm.config import ResolvedConfig
 from ucm.integration.vllm.layout import KVLayout, build_layout
-from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.scheduler import KVGeometry
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
 from ucm.integration.vllm.store_handle import StoreHandle, build_store_config, is_block_level
@@ -83,6 +83,21 @@ class _Save:
     nbytes: int
     t0: float
     pending: PendingSave | None = None
+
+
+class LoadObserver:
+    """A sparse method that rewrites KV loaded from the store (set by the
+    sparse bridge as :attr:`UCMWorkerSide.load_observer`); this base does
+    nothing."""
+
+    def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
+        """A step's metadata is bound, its loads not started; True: they must
+        all be in place before the forward (whole-step, started at once)."""
+        return False
+
+    def blocks_loaded(self, transfers: list[ReqTransfer], failed: set[str]) -> None:
+        """The whole-step loads of ``transfers`` are in the KV cache (not those
+        of the requests in ``failed``; vLLM recomputes their blocks)."""
 
 
 class UCMWorkerSide:
@@ -142,17 +157,9 @@ class UCMWorkerSide:
         self._closed = False
         self._errors_reported = 0
         self._step_t0 = 0.0
-        # --- Blend / ReRoPE (ucm_sparse_config): None unless configured.
-        from ucm.sparse.config import parse_sparse_config
-
-        self._sparse_spec = parse_sparse_config(cfg.connector.ucm_sparse_config)
-        self._blend: Any = None
-        self._rerope: Any = None
-        if self._sparse_spec is not None and self._sparse_spec.name == "Blend":
-            from ucm.sparse.blend.vllm_integration import BlendWorker
-
-            self._blend = BlendWorker(vllm_config, self._sparse_spec.config)
-        # --- end Blend / ReRoPE
+        self.load_observer = LoadObserver()
+        """Set by the sparse bridge for a method that rewrites loaded KV."""
+        self._loads_first = False  # this step's loads all land before the forward
 
     # -- registration ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -201,12 +208,6 @@ class UCMWorkerSide:
         self._load_waiter.start()
         ref = weakref.ref(self)
         atexit.register(lambda: (w := ref()) is not None and w.shutdown())
-        if self._blend is not None:  # --- Blend: model patches, rotary table
-            self._blend.register_kv_caches(kv_caches)
-        if self._sparse_spec is not None and self._sparse_spec.name == "ReRoPE":
-            from ucm.sparse.rerope.vllm_patch import install_rerope_from_connector
-
-            self._rerope = install_rerope_from_connector(self.vllm_config, self._sparse_spec.config)
         logger.info(
             "UCM worker rank %d: %d layers, %d run(s) of %d bytes per block per layer, "
             "%s mode, store %s %s",
@@ -235,13 +236,12 @@ class UCMWorkerSide:
                 self._load_reqs.append(
                     (t.req_id, rank_keys(t.load_ids, self.key_rank), t.load_blocks)
                 )
-        if self._blend is not None:  # --- Blend: the step's blended requests
-            self._blend.bind(meta.requests)
-            if self._blend.has_requests:
-                # vLLM calls start_load_kv after the forward when no request
-                # reports external tokens (a blend whose prefix is all in
-                # vLLM's prefix cache): the chunks must be in place before it.
-                self.start_load_kv()
+        self._loads_first = self.load_observer.prepare_loads(meta)
+        if self._loads_first:
+            # vLLM calls start_load_kv after the forward when no request
+            # reports external tokens (e.g. a Blend request whose prefix is
+            # all in vLLM's prefix cache): load now, before the forward.
+            self.start_load_kv()
 
     def clear(self) -> None:
         self._meta = None
@@ -255,11 +255,10 @@ class UCMWorkerSide:
         if not self._load_reqs or self.layout is None:
             return
         self._step_t0 = time.perf_counter()
-        # Blend: chunk KV must be in place before the first layer writes
-        # (vLLM waits for a layer's load only after its KV write); ReRoPE
-        # derives K2 of the loaded blocks: whole-step.
-        blend = self._blend is not None and self._blend.has_requests
-        if self.layerwise and not blend and self._rerope is None:
+        # A method that rewrites loaded KV needs all of it in place before the
+        # first layer writes (vLLM waits for a layer's load only after that
+        # layer's KV write): whole-step.
+        if self.layerwise and not self._loads_first:
             self._load_next = 0
             if self.cfg.connector.prefetch and self.store is not None:
                 # Whole block files start streaming in while the first layers load.
@@ -286,15 +285,10 @@ class UCMWorkerSide:
         else:
             self._submit_loads(list(range(len(self.layout.layers))), key=-1)
             self._wait_loads(-1)
-            failed = {self._load_reqs[i][0] for i in self._load_failed_reqs}
-            if blend:  # --- Blend: delta-RoPE on the loaded chunk keys
-                self._blend.after_loads(failed)
-            if self._rerope is not None and self._meta is not None:  # --- ReRoPE: K2 of loads
-                # (blocks that failed are recomputed by vLLM, K2 included)
-                self._rerope.rebuild_loaded(
-                    [(t.load_blocks, t.load_first) for t in self._meta.requests if t.load_ids],
-                    self.geom.block_size,
-                )
+            if self._meta is not None:
+                failed = {self._load_reqs[i][0] for i in self._load_failed_reqs}
+                loaded = [t for t in self._meta.requests if t.load_ids]
+                self.load_observer.blocks_loaded(loaded, failed)
             self._finish_load_step()
 
     def _submit_load_layer(self) -> None:
@@ -604,10 +598,6 @@ class UCMWorkerSide:
         if self._closed:
             return
         self._closed = True
-        if self._blend is not None:
-            self._blend.uninstall()
-        if self._rerope is not None:
-            self._rerope.uninstall()
         if not self.wait_for_saves(None, timeout=120):
             logger.warning("UCM: saves still in flight at shutdown; closing anyway")
         if self._stager is not None:
@@ -622,4 +612,4 @@ class UCMWorkerSide:
             self.store.close()
 
 
-__all__ = ["UCMWorkerSide"]
+__all__ = ["LoadObserver", "UCMWorkerSide"]

@@ -12,34 +12,23 @@ for the surviving rows with their true positions
 
 The same hooks drive the torch reference stack
 (:mod:`ucm.testing.refmodel`) and vLLM
-(:mod:`ucm.sparse.blend.vllm_integration`, see :mod:`ucm.sparse.blend`).
+(:mod:`ucm.integration.vllm.sparse.blend`, see :mod:`ucm.sparse.blend`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ucm.sparse.base import UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import SparseNeeds, UcmSparseBase, UcmSparseRole, layer_index
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, BlockLookup, plan_request
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.select import BlendRequestRows, BlendStep
 from ucm.sparse.kernels import attention, keys
 from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.kernels.views import kv_views
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def layer_index(layer_name: str) -> int:
-    """Decoder layer number of a vLLM attention layer name (``model.layers.3.self_attn.attn``)."""
-    m = _LAYER_RE.search(layer_name)
-    if m is None:
-        raise ValueError(f"cannot find the layer number in {layer_name!r}")
-    return int(m.group(1))
 
 
 def build_step(
@@ -81,6 +70,7 @@ class Blend(UcmSparseBase):
     """CacheBlend: reuse chunk KV anywhere in the prompt, recompute the deviating tokens."""
 
     config_class = BlendConfig
+    needs = SparseNeeds(loads_before_forward=True, row_cutting=True, chunk_reuse=True)
 
     def __init__(
         self, vllm_config: Any, role: UcmSparseRole, config: BlendConfig | None = None

@@ -110,8 +110,11 @@ class ESA(OffloadSparseBase):
         k_cache: torch.Tensor,
         prompt_block_ids: torch.Tensor,
         prompt_len: int,
+        prefill_queries: torch.Tensor | None = None,
     ) -> ESASelector | None:
-        """End of the last prefill chunk of ``layer``; None when the request stays dense."""
+        """End of the last prefill chunk of ``layer``; None when the request stays
+        dense. ESA's first selection uses the first decode query, not
+        ``prefill_queries``."""
         if not self.is_sparse_layer(layer):
             return None
         sel = self.selector_for(request_id, prompt_len)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import INVALID_SLOT, UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import INVALID_SLOT, SparseNeeds, UcmSparseBase, UcmSparseRole
 from ucm.sparse.gsa.config import GSAConfig
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.dispatch import Impl
@@ -151,6 +151,7 @@ class GSA(UcmSparseBase):
     """The GSA method (registered as ``GSA``, alias ``GSAOnDevice``)."""
 
     config_class = GSAConfig
+    needs = SparseNeeds(key_codes=True)
 
     def __init__(self, vllm_config: Any, role: UcmSparseRole, config: GSAConfig | None = None):
         super().__init__(vllm_config, role, config or GSAConfig())

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import INVALID_SLOT, UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import INVALID_SLOT, SparseNeeds, UcmSparseBase, UcmSparseRole
 from ucm.sparse.offload.plan import OffloadPlan, make_offload_plan
 from ucm.sparse.offload.retrieval import Executor, InlineExecutor, StepActions, ThreadExecutor
 
@@ -57,6 +57,7 @@ class OffloadSelectorBase:
 class OffloadSparseBase(UcmSparseBase):
     """Shared scheduler budget and worker bookkeeping of ESA and KVStar."""
 
+    needs = SparseNeeds(offload=True)
     rounding = "floor"
 
     def __init__(self, vllm_config: Any, role: UcmSparseRole, config: Any = None) -> None:
@@ -122,6 +123,25 @@ class OffloadSparseBase(UcmSparseBase):
     # -- worker side --------------------------------------------------------
 
     def make_selector(self, plan: OffloadPlan) -> OffloadSelectorBase:
+        raise NotImplementedError
+
+    def on_prefill_finished(
+        self,
+        request_id: str,
+        layer: int,
+        k_cache: torch.Tensor,
+        prompt_block_ids: torch.Tensor,
+        prompt_len: int,
+        prefill_queries: torch.Tensor | None = None,
+    ) -> OffloadSelectorBase | None:
+        """End of the last prefill chunk of ``layer``: builds the request's
+        representatives of that layer; None when the request stays dense.
+
+        ``prompt_block_ids`` ``[N]``: physical block of each logical prompt
+        block in ``k_cache`` (``[num_blocks, B, H_kv, D]``), before
+        compression; ``prefill_queries`` ``[X, H_q, D]``: the queries of the
+        chunk (a method may vote with the last ones).
+        """
         raise NotImplementedError
 
     def selector_for(self, request_id: str, prompt_len: int) -> OffloadSelectorBase | None:

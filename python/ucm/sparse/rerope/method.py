@@ -20,7 +20,8 @@ ReRoPE is not a sparse method; it uses the framework's attention hooks:
   original's per-batch ``use_rerope``).
 
 The model side -- producing the log-n scaled, rotated query, ``q_w`` and the
-un-rotated key -- is :class:`ucm.sparse.rerope.vllm_patch.ReRoPERotary`,
+un-rotated key -- is on vLLM
+:class:`ucm.integration.vllm.sparse.rerope.ReRoPERotary`,
 which hands ``q_w`` and ``k2`` to this object through :meth:`stash`.
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import SparseNeeds, UcmSparseBase, UcmSparseRole
 from ucm.sparse.kernels import attention, keys
 from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.kernels.views import kv_views
@@ -47,6 +48,14 @@ class ReRoPE(UcmSparseBase):
     """ReRoPE attention over vLLM's paged cache plus a K2 side cache."""
 
     config_class = ReRoPEConfig
+    needs = SparseNeeds(loads_before_forward=True, unrotated_keys=True)
+
+    @classmethod
+    def kv_namespace(cls, config: ReRoPEConfig) -> str:
+        """ReRoPE attention changes the KV of every layer after the first: its
+        blocks never mix with plain-RoPE blocks (or those of another window)."""
+        c = config
+        return f"|rerope=w{c.rerope_window}:l{c.training_length}:log{int(c.log_n_scaling)}"
 
     def __init__(
         self, vllm_config: Any, role: UcmSparseRole, config: ReRoPEConfig | None = None

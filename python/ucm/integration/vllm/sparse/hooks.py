@@ -12,9 +12,8 @@ versions.
 Patch surface (vLLM 0.32, paths under ``vllm/``), smallest first. Most hooks
 need **no monkey patch**: they are reached through the KV-connector API the
 UCM connector already implements, or through *instance* attributes of objects
-the connector is handed. The glue is
-:mod:`ucm.integration.vllm.sparse_bridge`; the call sites in
-``ucm_connector.py`` are marked ``ucm.sparse``.
+the connector is handed. The glue is :mod:`ucm.integration.vllm.sparse.bridge`;
+the connector calls it from its KV connector methods.
 
 ======================================  ======================================  ==============
 hook(s)                                 where they are called from              patch
@@ -67,20 +66,16 @@ Why the public interfaces do not suffice:
   and block index, so ``BlockTable.compute_slot_mapping`` and RoPE need no
   change. (An earlier plan compressed the positions and patched that class
   method; the null-block layout makes it unnecessary.)
-* **Layer and FFN hooks** (``layer_begin``/``ffn_*``, used by Blend-style
-  methods) would need the model's decoder layers patched; ESA, GSA and KVStar
-  do not use them, so they are not installed (a method that needs them gets a
-  clear error from :func:`install_worker_hooks`).
+* **Layer and FFN hooks** (``layer_begin``/``ffn_*``) need the model's
+  decoder layers patched; only a method that declares ``row_cutting`` gets
+  them (:mod:`.blend`). For any other method that overrides them
+  :func:`install_worker_hooks` raises a clear error.
 
-Status: wired end to end (vLLM 0.32 CPU build): ESA, GSA and KVStar are
-created per role by the connector when ``ucm_sparse_config`` names them;
-sparse decode attention over the selected blocks (torch reference on CPU,
-the Triton kernel on CUDA); ESA/KVStar offload (unselected prompt blocks
-leave device KV, selected ones are loaded from the UCM store into swap
-blocks, only changed blocks on a re-selection); everything uninstalled on
-connector ``shutdown``. Tested in ``python/tests/sparse/test_sparse_vllm.py``.
-The agent's own ``allocate_slots`` hook is not used by the connector (the
-bridge releases blocks after vLLM's dense allocation instead).
+The model itself is found from the attention layers (:func:`find_vllm_model`)
+by the parts that patch it (:mod:`.blend`, :mod:`.rerope`). Everything is
+uninstalled on connector ``shutdown``. The offloading methods' own
+``allocate_slots`` hook is not used by the connector (the bridge releases
+blocks after vLLM's dense allocation instead, :mod:`.offload`).
 """
 
 from __future__ import annotations
@@ -90,11 +85,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from ucm.integration.vllm.sparse import state
 from ucm.shared.logging import get_logger
-from ucm.sparse import state
 from ucm.sparse.base import INVALID_SLOT, UcmSparseBase
 
-_LOG = get_logger("ucm.sparse.vllm_hooks")
+_LOG = get_logger(__name__)
 
 #: (major, minor) versions of vLLM whose internals the patches were written for.
 SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
@@ -252,8 +249,8 @@ def install_worker_hooks(
     for hook in ("layer_begin", "layer_finished", "ffn_begin", "ffn_finished"):
         if getattr(type(agent), hook) is not getattr(UcmSparseBase, hook):
             raise NotImplementedError(
-                f"{type(agent).__name__} overrides {hook}, which needs decoder-layer patches "
-                "that are not installed for vLLM 0.32 (see ucm.sparse.vllm_hooks)"
+                f"{type(agent).__name__} overrides {hook}, which needs decoder-layer patches: "
+                "declare needs = SparseNeeds(row_cutting=True) (see ucm.sparse.base)"
             )
     handle = HookHandle("worker")
     for name, layer in static_forward_context.items():
@@ -311,6 +308,37 @@ def install_scheduler_hooks(
         make = wrapper or wrap_allocate_slots
         handle.patch_attr(kv_cache_manager, "allocate_slots", make(kv_cache_manager.allocate_slots))
     return handle
+
+
+def find_vllm_model(static_forward_context: dict[str, Any]) -> torch.nn.Module:
+    """The loaded model that owns the attention layers of ``static_forward_context``.
+
+    The connector sees the layers (``vllm_config.compilation_config.
+    static_forward_context``, layer name -> ``Attention``) but not the model
+    runner, and ``nn.Module`` keeps no parent links. The model is the
+    outermost live ``nn.Module`` with ``compute_logits`` (every vLLM
+    generative model has it) that contains one of those layers; the garbage
+    collector lists the live modules. Runs once per engine (well under a
+    second with a loaded vLLM).
+    """
+    import gc
+
+    layers = [m for m in static_forward_context.values() if hasattr(m, "impl")]
+    if not layers:
+        raise RuntimeError("no attention layer in static_forward_context")
+    target = layers[0]
+    found = [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, torch.nn.Module)
+        and callable(getattr(obj, "compute_logits", None))
+        and any(m is target for m in obj.modules())
+    ]
+    # Keep the outermost (a wrapper, e.g. LoRA, contains the model).
+    outer = [m for m in found if not any(o is not m and m in list(o.modules()) for o in found)]
+    if len(outer) != 1:
+        raise RuntimeError(f"cannot tell the model of the attention layers ({len(outer)} found)")
+    return outer[0]
 
 
 def uninstall_all(handles: Iterable[HookHandle]) -> None:

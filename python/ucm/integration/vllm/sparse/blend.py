@@ -1,17 +1,18 @@
 """Blend on vLLM 0.32 through the UCM connector (CPU and CUDA builds, ``enforce_eager``).
 
-The connector's halves call two small objects here when the connector config
-says ``ucm_sparse_config: {Blend: {...}}``:
+The sparse bridge (:mod:`.bridge`) sets up two objects here for a method
+that declares ``chunk_reuse`` and ``row_cutting`` (:class:`ucm.sparse.blend.Blend`):
 
-* :class:`BlendScheduler` (scheduler process): plans each new request
-  (:meth:`Blend.plan`); a BLEND plan reports only its exact prefix as
-  external tokens, adds its chunk blocks to the request's loads (into the
+* :class:`BlendScheduler`, the scheduler side's extension: plans each new
+  request (:meth:`Blend.plan`); a BLEND plan reports only its exact prefix
+  as external tokens, adds its chunk blocks to the request's loads (into the
   request's own vLLM blocks) and ships the plan with the request's block ids
-  to the workers (:class:`BlendReqMeta` in ``ReqTransfer.blend``). Nothing of
-  a blended request is saved.
-* :class:`BlendWorker` (worker process): rotates the loaded chunk keys to
-  their new positions after the (whole-step) load, and patches the model per
-  instance (nothing on classes, undone by :meth:`BlendWorker.uninstall`):
+  to the workers (:class:`BlendReqMeta` as the transfer's payload,
+  ``ReqTransfer.sparse``). Nothing of a blended request is saved.
+* :class:`BlendWorker`, the worker's load observer and model patch: rotates
+  the loaded chunk keys to their new positions after the (whole-step) load,
+  and patches the model per instance (nothing on classes, undone by
+  :meth:`BlendWorker.uninstall`):
 
   - each ``Attention`` module from the first check layer on: at a check
     layer, *before* the KV write (``unified_kv_cache_update`` runs inside
@@ -60,13 +61,17 @@ from typing import Any
 
 import torch
 
+from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import SchedulerExtension
+from ucm.integration.vllm.sparse.hooks import HookHandle, check_vllm_version, find_vllm_model
+from ucm.integration.vllm.worker import LoadObserver
 from ucm.shared.config import ConfigError
 from ucm.shared.logging import get_logger
-from ucm.sparse.base import UcmSparseRole
+from ucm.sparse.base import UcmSparseRole, layer_index
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan
 from ucm.sparse.blend.config import BlendConfig
-from ucm.sparse.blend.method import Blend, build_step, layer_index
-from ucm.sparse.vllm_hooks import HookHandle, check_vllm_version
+from ucm.sparse.blend.method import Blend, build_step
+from ucm.sparse.config import parse_sparse_config
 
 _LOG = get_logger("ucm.sparse.blend")
 
@@ -78,8 +83,6 @@ STEP_LOG: list[dict[str, Any]] = []
 
 def blend_config_from(sparse_config: Mapping[str, Any] | None) -> BlendConfig | None:
     """The :class:`BlendConfig` of a connector's ``ucm_sparse_config``, if it selects Blend."""
-    from ucm.sparse.config import parse_sparse_config
-
     spec = parse_sparse_config(sparse_config)
     if spec is None or spec.name != "Blend":
         return None
@@ -108,14 +111,23 @@ class BlendReqMeta:
 # ---------------------------------------------------------------------------- scheduler
 
 
-class BlendScheduler:
+class BlendScheduler(SchedulerExtension):
     """The scheduler half (see the module doc)."""
 
     def __init__(
-        self, vllm_config: Any, config: BlendConfig, max_batched: int | None = None
+        self,
+        vllm_config: Any,
+        config: BlendConfig,
+        max_batched: int | None = None,
+        *,
+        agent: Blend | None = None,
+        hash_algo: str = "blake3",
     ) -> None:
-        """``vllm_config``: vLLM's config (or a :class:`SparseModelInfo` with ``max_batched``)."""
-        self.agent = Blend(vllm_config, UcmSparseRole.SCHEDULER, config)
+        """``vllm_config``: vLLM's config (or a :class:`SparseModelInfo` with
+        ``max_batched``); ``agent``: the bridge's scheduler instance of Blend
+        (default: a new one); ``hash_algo``: the connector's block id algorithm."""
+        self.agent = agent or Blend(vllm_config, UcmSparseRole.SCHEDULER, config)
+        self.hash_algo = hash_algo
         if max_batched is None:
             max_batched = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.max_batched = max_batched
@@ -182,7 +194,7 @@ class BlendScheduler:
         return req_id in self._pending
 
     @staticmethod
-    def attach(transfer: Any, plan: BlendPlan, vblocks: list[int]) -> None:
+    def attach(transfer: ReqTransfer, plan: BlendPlan, vblocks: list[int]) -> None:
         """Adds the chunk loads and the plan to a request's ``ReqTransfer``.
 
         When vLLM allocated fewer blocks than the prompt has (it split the
@@ -196,11 +208,29 @@ class BlendScheduler:
         for ld in plan.chunk_loads:
             transfer.load_ids.append(ld.block_id)
             transfer.load_blocks.append(vblocks[ld.block_index])
-        transfer.blend = BlendReqMeta(plan, list(vblocks[:n_blocks]))
+        transfer.sparse = BlendReqMeta(plan, list(vblocks[:n_blocks]))
 
     def forget(self, req_id: str) -> None:
         self._looked_up.pop(req_id, None)
         self._pending.pop(req_id, None)
+
+    # -- the scheduler side's extension (ucm.integration.vllm.scheduler) -------
+    def match(self, request: Any, computed_tokens: int, store: Any, namespace: str) -> int | None:
+        plan = self.lookup(request, computed_tokens, store, namespace, self.hash_algo)
+        return None if plan is None else plan.prefix_hit_blocks
+
+    def after_alloc(self, request_id: str, num_external_tokens: int) -> bool:
+        return self.allocated(request_id, num_external_tokens) is not None
+
+    def has_payload(self, request_id: str) -> bool:
+        return self.has_pending(request_id)
+
+    def extend_transfer(
+        self, transfer: ReqTransfer, load_start: int, vllm_blocks: list[int]
+    ) -> None:
+        plan = self.take(transfer.req_id)
+        if plan is not None:
+            self.attach(transfer, plan, vllm_blocks)
 
 
 # ---------------------------------------------------------------------------- worker
@@ -215,10 +245,12 @@ def _find_layer_metadata(fc: Any, layer_name: str) -> Any:
     return md
 
 
-class BlendWorker:
+class BlendWorker(LoadObserver):
     """The worker half (see the module doc)."""
 
-    def __init__(self, vllm_config: Any, config: BlendConfig) -> None:
+    def __init__(
+        self, vllm_config: Any, config: BlendConfig, *, agent: Blend | None = None
+    ) -> None:
         if not vllm_config.model_config.enforce_eager:
             raise ValueError(
                 "ucm_sparse_config.Blend needs enforce_eager=True: it patches the decoder "
@@ -226,7 +258,7 @@ class BlendWorker:
             )
         self.vllm_config = vllm_config
         self.config = config
-        self.agent = Blend(vllm_config, UcmSparseRole.WORKER, config)
+        self.agent = agent or Blend(vllm_config, UcmSparseRole.WORKER, config)
         self.first_check = min(config.blend_check_layers)
         self.check_layers = set(config.blend_check_layers)
         self.handle = HookHandle("blend")
@@ -242,8 +274,6 @@ class BlendWorker:
     # ------------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from ucm.sparse.rerope.vllm_patch import find_vllm_model
-
         check_vllm_version()
         self.agent.initialize_kv_cache_tensors(kv_caches)
         sfc = self.vllm_config.compilation_config.static_forward_context
@@ -297,11 +327,20 @@ class BlendWorker:
 
     # ------------------------------------------------------------------ per step
 
-    def bind(self, transfers: Iterable[Any]) -> None:
+    def bind(self, transfers: Iterable[ReqTransfer]) -> None:
         """The step's connector metadata: its blended requests."""
-        self._reqs = {t.req_id: t.blend for t in transfers if getattr(t, "blend", None) is not None}
+        self._reqs = {t.req_id: t.sparse for t in transfers if isinstance(t.sparse, BlendReqMeta)}
         self._failed = set()
         self.agent.bind_step(None)
+
+    def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
+        """The worker's load observer: a step with blended requests loads whole
+        before the forward (see the module doc)."""
+        self.bind(meta.requests)
+        return self.has_requests
+
+    def blocks_loaded(self, transfers: list[ReqTransfer], failed: set[str]) -> None:
+        self.after_loads(failed)
 
     @property
     def has_requests(self) -> bool:

@@ -18,7 +18,7 @@ vLLM's op registry), undone by :meth:`ReRoPEInstall.uninstall`:
    ``get_rope`` caches rotary modules, so several layers share one; the
    wrapper is per layer and never mutates the shared module.
 2. **Attention side.** ``layer.attn.impl.forward`` is wrapped per instance
-   (as :mod:`ucm.sparse.vllm_hooks` does): ``attention_begin`` writes K2 at
+   with the generic hook (:func:`.hooks.wrap_attention_impl`): ``attention_begin`` writes K2 at
    the layer's ``slot_mapping`` -- vLLM has already written K and V with
    ``do_kv_cache_update`` -- then ``sparse_attention`` computes ReRoPE
    attention from the paged K, V and K2 caches into ``output``, or declines
@@ -39,28 +39,42 @@ original UCM patch. :func:`ensure_rotary_capacity` instead extends a plain
 ``RotaryEmbedding`` table in place (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``).
 
 Entry points: :func:`install_rerope_on_model` (in the worker, given the
-model); :func:`install_rerope_from_connector`, which the UCM connector's
-worker calls from ``register_kv_caches`` when the connector config says
-``ucm_sparse_config: {ReRoPE: {...}}`` (it finds the model with
-:func:`find_vllm_model`); and :func:`install_rerope` (an offline
-``vllm.LLM``; runs the first through ``LLM.apply_model``, in-process
-engines only).
+model); :func:`install_rerope_from_connector`, which the sparse bridge calls
+from the connector's ``register_kv_caches`` for a method that declares
+``unrotated_keys`` (it finds the model with
+:func:`~ucm.integration.vllm.sparse.hooks.find_vllm_model`); and
+:func:`install_rerope` (an offline ``vllm.LLM``; runs the first through
+``LLM.apply_model``, in-process engines only).
+
+Through the connector the install is also the worker's load observer: K2 of
+blocks loaded from the store is derived from their K (the store holds K and
+V only), which needs each loaded block's position: the scheduler side's
+:class:`ReRoPEScheduler` sends the first loaded block's index as the
+transfer's payload.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import SchedulerExtension
+from ucm.integration.vllm.sparse.hooks import (
+    HookHandle,
+    check_vllm_version,
+    find_vllm_model,
+    is_wrapped,
+    wrap_attention_impl,
+)
+from ucm.integration.vllm.worker import LoadObserver
 from ucm.shared.logging import get_logger
 from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.rerope.config import ReRoPEConfig
 from ucm.sparse.rerope.method import ReRoPE
 from ucm.sparse.rerope.reference import log_n_scale
-from ucm.sparse.vllm_hooks import HookHandle, check_vllm_version, is_wrapped
 
 _LOG = get_logger("ucm.sparse.rerope")
 
@@ -136,7 +150,7 @@ def ensure_rotary_capacity(rotary_emb: torch.nn.Module, max_pos: int) -> bool:
 
 
 @dataclass
-class ReRoPEInstall:
+class ReRoPEInstall(LoadObserver):
     """What :func:`install_rerope_on_model` did; :meth:`uninstall` restores the model."""
 
     agent: ReRoPE
@@ -145,7 +159,18 @@ class ReRoPEInstall:
     kv_caches: dict[str, torch.Tensor] = field(default_factory=dict)
     rebuilt_blocks: int = 0
     """Loaded blocks whose K2 :meth:`rebuild_loaded` derived."""
+    block_size: int = 0
+    """vLLM's block size (set when installed through the connector)."""
     _modules: list[tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=list)
+
+    def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
+        """The worker's load observer: loads land whole before the forward, so
+        K2 of the loaded blocks is derived before any layer reads it."""
+        return any(t.load_ids for t in meta.requests)
+
+    def blocks_loaded(self, transfers: list[ReqTransfer], failed: set[str]) -> None:
+        # Blocks that failed are recomputed by vLLM, K2 included.
+        self.rebuild_loaded([(t.load_blocks, t.sparse) for t in transfers], self.block_size)
 
     def rebuild_loaded(self, loads: list[tuple[list[int], int]], block_size: int) -> None:
         """K2 of blocks a connector loaded into the KV cache (the store holds K and V only).
@@ -180,25 +205,6 @@ class ReRoPEInstall:
         self.agent.k2_caches.clear()
 
 
-def _wrap_impl_forward(agent: ReRoPE, layer_name: str, impl_forward: Any) -> Any:
-    @functools.wraps(impl_forward)
-    def forward(layer, query, key, value, kv_cache, attn_metadata, output=None, *args, **kwargs):
-        if attn_metadata is None or output is None:
-            return impl_forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
-            )
-        query, key, value, output = agent.attention_begin(
-            query, key, value, layer_name, attn_metadata, output
-        )
-        if agent.sparse_attention(layer_name, query, kv_cache, attn_metadata, output):
-            return output
-        return impl_forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
-        )
-
-    return forward
-
-
 def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     found = []
     for name, mod in model.named_modules():
@@ -226,17 +232,19 @@ def install_rerope_on_model(
     model_info: SparseModelInfo | None = None,
     max_positions: int | None = None,
     version: str | None = None,
+    agent: ReRoPE | None = None,
 ) -> ReRoPEInstall:
     """Installs ReRoPE on a loaded vLLM model (call in the worker, after the KV cache exists).
 
     ``config.training_length`` must be set (the model config may carry an
     overridden ``max_position_embeddings``). ``max_positions``: extend plain
     rotary tables to this many positions (:func:`ensure_rotary_capacity`).
+    ``agent``: the worker instance of ReRoPE to install (default: a new one).
     """
     check_vllm_version(version)
     if config.training_length is None:
         raise ValueError("install_rerope_on_model needs config.training_length")
-    agent = ReRoPE(model_info, UcmSparseRole.WORKER, config)
+    agent = agent or ReRoPE(model_info, UcmSparseRole.WORKER, config)
     inst = ReRoPEInstall(agent)
     kv_caches = {}
     for _, mod in _attention_modules(model):
@@ -255,7 +263,7 @@ def install_rerope_on_model(
         inst.replace_rotary(mod, ReRoPERotary(mod.rotary_emb, agent, layer_name, head))
         if not is_wrapped(attn.impl.forward):
             inst.handle.patch_attr(
-                attn.impl, "forward", _wrap_impl_forward(agent, layer_name, attn.impl.forward)
+                attn.impl, "forward", wrap_attention_impl(layer_name, attn.impl.forward, agent)
             )
         inst.layers.append(layer_name)
     if not inst.layers:
@@ -274,71 +282,37 @@ def install_rerope_on_model(
     return inst
 
 
-def find_vllm_model(static_forward_context: dict[str, Any]) -> torch.nn.Module:
-    """The loaded model that owns the attention layers of ``static_forward_context``.
-
-    The connector sees the layers (``vllm_config.compilation_config.
-    static_forward_context``, layer name -> ``Attention``) but not the model
-    runner, and ``nn.Module`` keeps no parent links. The model is the
-    outermost live ``nn.Module`` with ``compute_logits`` (every vLLM
-    generative model has it) that contains one of those layers; the garbage
-    collector lists the live modules. Runs once per engine (well under a
-    second with a loaded vLLM).
-    """
-    import gc
-
-    layers = [m for m in static_forward_context.values() if hasattr(m, "impl")]
-    if not layers:
-        raise RuntimeError("no attention layer in static_forward_context")
-    target = layers[0]
-    found = [
-        obj
-        for obj in gc.get_objects()
-        if isinstance(obj, torch.nn.Module)
-        and callable(getattr(obj, "compute_logits", None))
-        and any(m is target for m in obj.modules())
-    ]
-    # Keep the outermost (a wrapper, e.g. LoRA, contains the model).
-    outer = [m for m in found if not any(o is not m and m in list(o.modules()) for o in found)]
-    if len(outer) != 1:
-        raise RuntimeError(f"cannot tell the model of the attention layers ({len(outer)} found)")
-    return outer[0]
-
-
-def rerope_hash_salt(sparse_config: dict[str, Any] | None) -> str:
-    """Block-id salt of a connector with ``ucm_sparse_config: {ReRoPE: ...}`` ("" otherwise).
-
-    ReRoPE attention changes the KV of every layer after the first, so its
-    blocks must never be mixed with plain-RoPE blocks (or another window).
-    """
-    from ucm.sparse.config import parse_sparse_config
-
-    spec = parse_sparse_config(sparse_config)
-    if spec is None or spec.name != "ReRoPE":
-        return ""
-    c = spec.config
-    return f"|rerope=w{c.rerope_window}:l{c.training_length}:log{int(c.log_n_scaling)}"
-
-
 def install_rerope_from_connector(
-    vllm_config: Any, config: ReRoPEConfig, version: str | None = None
+    vllm_config: Any, agent: ReRoPE, version: str | None = None
 ) -> ReRoPEInstall:
     """``ucm_sparse_config: {ReRoPE: {...}}`` in the UCM connector: installs
-    ReRoPE on the worker's model (called from ``register_kv_caches``, when
-    the KV cache is bound to the layers).
+    the bridge's worker instance of ReRoPE on the worker's model (from
+    ``register_kv_caches``, when the KV cache is bound to the layers).
 
     ``training_length`` defaults to the model config's
-    ``max_position_embeddings``; set it when ``hf_overrides`` raised that
-    (the override is what vLLM's config holds).
+    ``max_position_embeddings`` (:class:`ReRoPE` resolves it); set it when
+    ``hf_overrides`` raised that (the override is what vLLM's config holds).
     """
     if not vllm_config.model_config.enforce_eager:
         raise ValueError(
             "ucm_sparse_config.ReRoPE needs enforce_eager=True: the patched rotary and "
             "attention pass tensors between Python calls a compiled graph would not replay"
         )
-    cfg = config.resolved(int(vllm_config.model_config.hf_text_config.max_position_embeddings))
     model = find_vllm_model(vllm_config.compilation_config.static_forward_context)
-    return install_rerope_on_model(model, cfg, version=version)
+    inst = install_rerope_on_model(model, agent.config, version=version, agent=agent)
+    inst.block_size = int(vllm_config.cache_config.block_size)
+    return inst
+
+
+class ReRoPEScheduler(SchedulerExtension):
+    """The scheduler side's extension: a transfer with prefix loads carries
+    the request's block index of the first one (where the loaded keys sit)."""
+
+    def extend_transfer(
+        self, transfer: ReqTransfer, load_start: int, vllm_blocks: list[int]
+    ) -> None:
+        if transfer.load_ids:
+            transfer.sparse = load_start
 
 
 #: Installs made through :func:`install_rerope`, by id (the worker runs in this process).

@@ -8,13 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ucm.sparse import SparseModelInfo, UcmSparseBase, UcmSparseRole, state, vllm_hooks
-from ucm.sparse.vllm_hooks import (
+from ucm.integration.vllm.sparse import hooks as vllm_hooks
+from ucm.integration.vllm.sparse import state
+from ucm.integration.vllm.sparse.hooks import (
     UnsupportedVllmError,
     check_vllm_version,
     install_scheduler_hooks,
     install_worker_hooks,
 )
+from ucm.sparse import SparseModelInfo, UcmSparseBase, UcmSparseRole
 
 INFO = SparseModelInfo(block_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 OK = "0.32.0+cpu"

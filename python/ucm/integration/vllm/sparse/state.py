@@ -1,10 +1,12 @@
 """The process-global sparse agent.
 
 Each process (scheduler or worker) holds at most one sparse method instance.
-It is created by :func:`ensure_ucm_sparse_initialized` only when a method is
-configured; every hook wrapper in :mod:`ucm.sparse.vllm_hooks` checks
-:func:`has_ucm_sparse` first, so an engine without ``ucm_sparse_config`` pays
-one function call per hook.
+It is global because vLLM's model code gives a patched layer no handle to
+pass it through (the original UCM's patches looked it up the same way). It
+is created by :func:`ensure_ucm_sparse_initialized` (or set by the bridge)
+only when a method is configured; every hook wrapper in :mod:`.hooks` that
+is given no driver checks :func:`has_ucm_sparse` first, so an engine without
+``ucm_sparse_config`` pays one function call per hook.
 """
 
 from __future__ import annotations
