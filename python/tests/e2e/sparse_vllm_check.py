@@ -10,7 +10,10 @@ Usage: ``python sparse_vllm_check.py MODEL_DIR WORK_DIR SCENARIO`` with SCENARIO
   saved, so nothing can be offloaded), and with ESA at 0.3 offloading
   (``kv_both``): the unselected blocks leave device KV and the selected ones
   come back from the store; then two requests served together (mixed
-  prefill/decode batches), also with KVStar in place and offloading.
+  prefill/decode batches), also with KVStar in place and offloading;
+* ``readme``: the README's user method (its two code blocks as they stand:
+  the method's file, then its registration and config), dense, with a window
+  that covers every block, and with the README's config.
 
 Engines run one after another in this process (in-process engine core), each
 with its own store directory. Prints one JSON line prefixed ``@@RESULT@@``.
@@ -256,13 +259,44 @@ def scenario_offload(model: Path, work: Path) -> dict[str, Any]:
     return res
 
 
+def readme_user_method() -> tuple[str, str]:
+    """The README's user-method example: the method's file and its registration."""
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    method = next(b for b in blocks if b.startswith("# my_sparse.py"))
+    register = next(b for b in blocks if "register_sparse_method(" in b)
+    return method, register
+
+
+def scenario_readme(model: Path, work: Path) -> dict[str, Any]:
+    method, register = readme_user_method()
+    (work / "my_sparse.py").write_text(method)
+    sys.path.insert(0, str(work))  # where the user's module lives
+    namespace: dict[str, Any] = {}
+    exec(register, namespace)
+    sparse = namespace["extra_config"]["ucm_sparse_config"]
+    ((name, _),) = sparse.items()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 512) for _ in range(n)] for n in (700, 1000, 333)]
+    res: dict[str, Any] = {}
+    for label, cfg in (
+        ("dense", None),
+        ("wide", {name: {"recent_blocks": 1000}}),  # every block: the dense attention
+        ("readme", sparse),
+    ):
+        r = Run(model, work, label, cfg)
+        res[label], _ = r.generate(prompts, 8)
+        res[f"{label}_close"] = r.close()
+    return res
+
+
 def main() -> None:
     from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
     model = make_tiny_llama(sys.argv[1], TinyModelSpec(**SPEC))
     work = Path(sys.argv[2])
     scenario = sys.argv[3]
-    fn = {"exact": scenario_exact, "offload": scenario_offload}[scenario]
+    fn = {"exact": scenario_exact, "offload": scenario_offload, "readme": scenario_readme}[scenario]
     res = fn(model, work)
     print("@@RESULT@@ " + json.dumps(res), flush=True)
 

@@ -160,3 +160,23 @@ def test_esa_8k_offload_shrinks_device_kv(tmp_path: Path, request: pytest.Fixtur
     assert ks["loads_deferred"] > 0
     assert r["kvstar_offload_pair"] == r["kvstar_inplace_pair"]
     assert [t[0] for t in r["kvstar_offload_pair"]] == [t[0] for t in r["dense_pair"]]
+
+
+@needs_vllm
+def test_readme_user_method(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The README's user-method example runs as it stands: its own file and a
+    registration, no other change; the bridge installs its attention hooks."""
+    r = _run_child("readme", tmp_path, request)
+    dense = r["dense"]
+    # Attending every block is the dense attention: the same tokens.
+    assert r["wide"] == dense
+    for label in ("wide", "readme"):
+        assert r[f"{label}_close"]["before"] == {"impl_wrapped": 2, "alloc_wrapped": False}
+        assert r[f"{label}_close"]["after"] == {
+            "impl_wrapped": 0,
+            "alloc_wrapped": False,
+            "agent": False,
+        }
+    # The README's window: the prefill is dense (same first tokens), decode is sparse.
+    assert [t[0] for t in r["readme"]] == [t[0] for t in dense]
+    assert r["readme"] != dense

@@ -18,6 +18,7 @@ CPU tensors without ``TRITON_INTERPRET=1``) every op runs its torch reference.
 from ucm.sparse.base import (
     INVALID_SLOT,
     SparseModelInfo,
+    SparseNeeds,
     UcmSparseBase,
     UcmSparseMetadata,
     UcmSparseRole,
@@ -41,6 +42,7 @@ __all__ = [
     "KVStarConfig",
     "SparseMethodSpec",
     "SparseModelInfo",
+    "SparseNeeds",
     "UcmSparseBase",
     "UcmSparseFactory",
     "UcmSparseMetadata",
