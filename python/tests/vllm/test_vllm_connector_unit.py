@@ -308,7 +308,7 @@ def test_preemption_waits_for_saves_and_finish_is_reported_once(tmp_path: Path) 
     meta, _ = a.step(sched_output(new=[("r1", 0, 3 * BS)]))
     assert meta.has_saves
     a.step(sched_output(preempted={"r1"}))
-    assert a.worker._pending.get("r1", 0) == 0  # waited in handle_preemptions
+    assert a.worker.saves.pending("r1") == 0  # waited in handle_preemptions
     delay, _ = a.sched.request_finished(req, [0, 1, 2])
     assert delay is True
     _, done = a.step(sched_output(finished={"r1"}), {"r1"})

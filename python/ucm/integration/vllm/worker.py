@@ -15,9 +15,9 @@ Modes:
   ``save_kv_layer(l)`` submits layer l's saves right after its attention.
 
 Either way one store block holds one shard per layer, so the two modes read
-each other's blocks. Saves never block the forward pass: a reaper thread
-waits for them, and requests whose saves are in flight are reported through
-``get_finished`` only when they completed (vLLM keeps their blocks until then).
+each other's blocks. The steps of a transfer are :mod:`.transfer`'s; saves
+never block the forward pass and a request is reported finished only once
+they are done (:mod:`.saves`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 from ucm.integration.vllm.config import ResolvedConfig
 from ucm.integration.vllm.layout import KVLayout, build_layout
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.saves import SaveJob, SaveTracker
 from ucm.integration.vllm.scheduler import KVGeometry
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
 from ucm.integration.vllm.store_handle import StoreHandle, build_store_config, is_block_level
@@ -42,7 +43,6 @@ from ucm.integration.vllm.transfer import (
     HostStaging,
     KVTransfer,
     PendingLoad,
-    PendingSave,
     StoreUnusable,
     rank_keys,
 )
@@ -72,17 +72,6 @@ class _Load:
     pending: PendingLoad
     done: threading.Event = field(default_factory=threading.Event)
     t0: float = 0.0
-
-
-@dataclass
-class _Save:
-    """One request's save for some layers."""
-
-    req_id: str
-    blocks: int  # vLLM blocks completed by this save (0 for non-final layers)
-    nbytes: int
-    t0: float
-    pending: PendingSave | None = None
 
 
 class LoadObserver:
@@ -141,19 +130,12 @@ class UCMWorkerSide:
         self._load_failed_reqs: set[int] = set()
         # Save state.
         self._save_plan: list[tuple[str, list[bytes], list[int]]] = []
-        self._cv = threading.Condition()
-        self._pending: dict[str, int] = defaultdict(int)
-        self._save_reqs: set[str] = set()
-        self._finishing: set[str] = set()
-        self._inflight = 0
+        self.saves = SaveTracker(self._save_done)
+        self._io_lock = threading.Lock()
         self._io_inflight: dict[str, int] = {"load": 0, "save": 0}
         self._io_since: dict[str, float] = {"load": 0.0, "save": 0.0}
         self._load_q: queue.Queue[_Load | None] = queue.Queue()
         self._load_waiter: threading.Thread | None = None
-        self._reap_q: queue.Queue[_Save | None] = queue.Queue()
-        self._reaper: threading.Thread | None = None
-        self._stage_q: queue.Queue[_Save | None] = queue.Queue()
-        self._stager: threading.Thread | None = None
         self._closed = False
         self._errors_reported = 0
         self._step_t0 = 0.0
@@ -200,8 +182,6 @@ class UCMWorkerSide:
             create_dirs=True,
         )
         self.store.get()  # open now (failures are retried later)
-        self._reaper = threading.Thread(target=self._reap_loop, name="ucm-save-reaper", daemon=True)
-        self._reaper.start()
         self._load_waiter = threading.Thread(
             target=self._load_wait_loop, name="ucm-load-waiter", daemon=True
         )
@@ -227,8 +207,7 @@ class UCMWorkerSide:
         self._load_reqs = []
         for t in meta.requests:
             if t.save_ids:
-                with self._cv:
-                    self._save_reqs.add(t.req_id)
+                self.saves.expect(t.req_id)
                 self._save_plan.append(
                     (t.req_id, rank_keys(t.save_ids, self.key_rank), t.save_blocks)
                 )
@@ -347,7 +326,7 @@ class UCMWorkerSide:
             ld.done.set()
 
     def _io_begin(self, kind: str) -> None:
-        with self._cv:
+        with self._io_lock:
             if self._io_inflight[kind] == 0:
                 self._io_since[kind] = time.perf_counter()
             self._io_inflight[kind] += 1
@@ -355,7 +334,7 @@ class UCMWorkerSide:
     def _io_end(self, kind: str) -> None:
         """One transfer finished; while none is in flight the clock stops (GB/s
         are bytes over the time transfers were in flight)."""
-        with self._cv:
+        with self._io_lock:
             self._io_inflight[kind] -= 1
             if self._io_inflight[kind] == 0:
                 busy = (time.perf_counter() - self._io_since[kind]) * 1e3
@@ -481,83 +460,35 @@ class UCMWorkerSide:
             return
         for req_id, ids, blocks in self._save_plan:
             n = len(ids)
-            job = _Save(
+            t0 = time.perf_counter()
+            self._io_begin("save")
+            job = SaveJob(
                 req_id=req_id,
                 blocks=n if final else 0,
                 nbytes=n * len(layer_pos) * self.layout.shard_bytes,
-                t0=time.perf_counter(),
+                t0=t0,
+                pending=self.transfer.save(store, layer_pos, ids, blocks),
             )
-            with self._cv:
-                self._pending[req_id] += 1
-                self._inflight += 1
-            self._io_begin("save")
-            job.pending = self.transfer.save(store, layer_pos, ids, blocks)
-            if job.pending.copy_done is not None:
-                self._ensure_stager()
-                self._stage_q.put(job)  # submitted once the device copy is done
-            else:
-                self._reap_q.put(job)
-
-    def _ensure_stager(self) -> None:
-        if self._stager is None:
-            self._stager = threading.Thread(
-                target=self._stage_loop, name="ucm-save-stager", daemon=True
-            )
-            self._stager.start()
-
-    def _stage_loop(self) -> None:
-        while True:
-            job = self._stage_q.get()
-            if job is None:
-                return
-            assert job.pending is not None
-            job.pending.submit()
-            self._reap_q.put(job)
+            self.saves.add(job)
 
     def _save_failed(self, err: BaseException, blocks: int) -> None:
         self.stats.add(save_failed_blocks=blocks)
         if self.store is not None and not is_block_level(err):
             self.store.report_failure(err, "save")
 
-    def _reap_loop(self) -> None:
-        while True:
-            item = self._reap_q.get()
-            if item is None:
-                return
-            assert item.pending is not None
-            err = item.pending.wait()
-            now = time.perf_counter()
-            ms = (now - item.t0) * 1e3
-            if err is None:
-                self.stats.add(
-                    save_blocks=item.blocks, save_bytes=item.nbytes, save_durations_ms=[ms]
-                )
-                if self.store is not None:
-                    self.store.report_success()
-            else:
-                self._save_failed(err, item.blocks)
-            self._io_end("save")
-            with self._cv:
-                self._pending[item.req_id] -= 1
-                self._inflight -= 1
-                self._cv.notify_all()
+    def _save_done(self, job: SaveJob, err: BaseException | None) -> None:
+        ms = (time.perf_counter() - job.t0) * 1e3
+        if err is None:
+            self.stats.add(save_blocks=job.blocks, save_bytes=job.nbytes, save_durations_ms=[ms])
+            if self.store is not None:
+                self.store.report_success()
+        else:
+            self._save_failed(err, job.blocks)
+        self._io_end("save")
 
     def wait_for_saves(self, req_ids: set[str] | None, timeout: float) -> bool:
         """Waits until the saves of these requests (None: all) are done; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                busy = (
-                    self._inflight > 0
-                    if req_ids is None
-                    else any(self._pending.get(r, 0) > 0 for r in req_ids)
-                )
-                if not busy:
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
+        return self.saves.wait(req_ids, timeout)
 
     def handle_preemptions(self, meta: UCMConnectorMetadata) -> None:
         # vLLM may hand a preempted request's blocks to another request in this
@@ -567,22 +498,7 @@ class UCMWorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         idle = self._meta is not None and self._meta.num_scheduled_tokens == 0
-        with self._cv:
-            for r in finished_req_ids:
-                if r in self._save_reqs:
-                    self._finishing.add(r)
-            if not self._finishing:
-                return None, None
-            done = {r for r in self._finishing if self._pending.get(r, 0) <= 0}
-            if not done and idle:
-                # Nothing else to do this step: wait a little rather than spin.
-                self._cv.wait(0.005)
-                done = {r for r in self._finishing if self._pending.get(r, 0) <= 0}
-            for r in done:
-                self._finishing.discard(r)
-                self._save_reqs.discard(r)
-                self._pending.pop(r, None)
-        return (done or None), None
+        return self.saves.finished(finished_req_ids, idle), None
 
     # -- stats & shutdown ------------------------------------------------------
     def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
@@ -600,14 +516,9 @@ class UCMWorkerSide:
         self._closed = True
         if not self.wait_for_saves(None, timeout=120):
             logger.warning("UCM: saves still in flight at shutdown; closing anyway")
-        if self._stager is not None:
-            self._stage_q.put(None)
-            self._stager.join(timeout=5)
+        self.saves.close()
         if self._load_waiter is not None:
             self._load_q.put(None)
-        if self._reaper is not None:
-            self._reap_q.put(None)
-            self._reaper.join(timeout=5)
         if self.store is not None:
             self.store.close()
 
