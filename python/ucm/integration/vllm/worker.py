@@ -89,6 +89,13 @@ class LoadObserver:
         of the requests in ``failed``; vLLM recomputes their blocks)."""
 
 
+class LoadsBeforeForward(LoadObserver):
+    """Every step's loads land before the forward (the method's hooks read them)."""
+
+    def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
+        return any(t.load_ids for t in meta.requests)
+
+
 class UCMWorkerSide:
     """Loads and saves one worker's KV cache."""
 
@@ -523,4 +530,4 @@ class UCMWorkerSide:
             self.store.close()
 
 
-__all__ = ["LoadObserver", "UCMWorkerSide"]
+__all__ = ["LoadObserver", "LoadsBeforeForward", "UCMWorkerSide"]

@@ -7,7 +7,8 @@
 * :mod:`.steps` -- per-step request facts sent from the scheduler to the workers;
 * :mod:`.offload` (scheduler) and :mod:`.selection` (worker) -- the
   selecting methods: offloaded blocks released, swap loads, sparse attention;
-* :mod:`.blend`, :mod:`.rerope` -- the model patches and plans of the methods
-  that declare row cutting, chunk reuse or un-rotated keys;
+* :mod:`.blend` (scheduler), :mod:`.blend_worker` and :mod:`.rerope` -- the
+  plans and model patches of the methods that declare chunk reuse, row
+  cutting or un-rotated keys;
 * :mod:`.state` -- the process's method instance, for hooks given no driver.
 """

@@ -8,23 +8,22 @@ lifecycle hooks from the connector's methods, and sets up what the method
 declares it needs (:class:`~ucm.sparse.base.SparseNeeds`); it never asks
 which method it holds.
 
-======================  ==================================================  =====================
-need                    scheduler side                                      worker side
-======================  ==================================================  =====================
-(none)                  the method's ``allocate_slots`` when it gives a     its own attention
-                        budget (:func:`~.hooks.wrap_allocate_slots`)        hooks on every layer
-``offload``             unselected prompt blocks released after vLLM's      :class:`~.selection.
-                        allocation (:class:`~.offload.OffloadAllocator`,    SelectionDriver`:
-                        when the connector saves)                           swap loads, attention
-``key_codes``           --                                                  ``SelectionDriver``:
-                                                                            codes, batch selection
-``loads_before_forward``  --                                                the model patch
-                                                                            observes the loads
-``chunk_reuse``         :class:`~.blend.BlendScheduler` plans requests      --
-``row_cutting``         --                                                  :class:`~.blend.
-                                                                            BlendWorker` patches
-``unrotated_keys``      :class:`~.rerope.ReRoPEScheduler` (load position)   :mod:`.rerope` patches
-======================  ==================================================  =====================
+* no need declared: the method's ``allocate_slots`` replaces the dense
+  allocation when it gives a budget (:func:`~.hooks.wrap_allocate_slots`);
+  its own attention hooks see every layer;
+* ``offload``: unselected prompt blocks are released after vLLM's allocation
+  (:class:`~.offload.OffloadAllocator`, when the connector saves); the
+  worker's :class:`~.selection.SelectionDriver` loads selected blocks into
+  swap blocks and attends;
+* ``key_codes``: the ``SelectionDriver`` writes the key codes and attends
+  over the batch's selected blocks;
+* ``loads_before_forward``: the method's model patch (or a plain
+  :class:`~ucm.integration.vllm.worker.LoadsBeforeForward`) is the worker's
+  load observer;
+* ``chunk_reuse``: :class:`~.blend.BlendScheduler` plans the requests;
+* ``row_cutting``: :class:`~.blend_worker.BlendWorker` patches the model;
+* ``unrotated_keys``: :mod:`.rerope` patches the model and
+  :class:`~.rerope.ReRoPEScheduler` sends the loaded blocks' positions.
 
 Every step the scheduler bridge sends per-request facts (:mod:`.steps`) in
 the connector metadata; a method's per-request data travels as the
@@ -52,6 +51,7 @@ from ucm.integration.vllm.sparse.hooks import (
 from ucm.integration.vllm.sparse.offload import OffloadAllocator
 from ucm.integration.vllm.sparse.selection import SelectionDriver
 from ucm.integration.vllm.sparse.steps import SparseReqStep, SparseStepMeta
+from ucm.integration.vllm.worker import LoadsBeforeForward
 from ucm.shared.logging import get_logger
 from ucm.sparse.base import UcmSparseBase, UcmSparseRole
 from ucm.sparse.config import SparseMethodSpec, method_kv_namespace, parse_sparse_config
@@ -272,7 +272,7 @@ class SparseWorkerBridge:
         ctx = self.vllm_config.compilation_config.static_forward_context
         layers = {n: ctx[n] for n in kv_caches if n in ctx}
         if self.needs.row_cutting:
-            from ucm.integration.vllm.sparse.blend import BlendWorker
+            from ucm.integration.vllm.sparse.blend_worker import BlendWorker
 
             self.patch = BlendWorker(self.vllm_config, self.spec.config, agent=self.agent)
             self.patch.register_kv_caches(kv_caches)
@@ -294,7 +294,7 @@ class SparseWorkerBridge:
                 layers, self.agent, version=self.version, driver=driver
             )
         if self.needs.loads_before_forward:
-            self.side.load_observer = self.patch
+            self.side.load_observer = self.patch or LoadsBeforeForward()
 
     def start_step(self, meta: Any) -> None:
         """``build_sparse_meta`` + ``execute_begin``, when the step's metadata is bound

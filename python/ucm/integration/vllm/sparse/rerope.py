@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.metadata import ReqTransfer
 from ucm.integration.vllm.scheduler import SchedulerExtension
 from ucm.integration.vllm.sparse.hooks import (
     HookHandle,
@@ -69,7 +69,7 @@ from ucm.integration.vllm.sparse.hooks import (
     is_wrapped,
     wrap_attention_impl,
 )
-from ucm.integration.vllm.worker import LoadObserver
+from ucm.integration.vllm.worker import LoadsBeforeForward
 from ucm.shared.logging import get_logger
 from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.rerope.config import ReRoPEConfig
@@ -150,8 +150,12 @@ def ensure_rotary_capacity(rotary_emb: torch.nn.Module, max_pos: int) -> bool:
 
 
 @dataclass
-class ReRoPEInstall(LoadObserver):
-    """What :func:`install_rerope_on_model` did; :meth:`uninstall` restores the model."""
+class ReRoPEInstall(LoadsBeforeForward):
+    """What :func:`install_rerope_on_model` did; :meth:`uninstall` restores the model.
+
+    As the worker's load observer, loads land whole before the forward, so K2
+    of the loaded blocks is derived before any layer reads it.
+    """
 
     agent: ReRoPE
     layers: list[str] = field(default_factory=list)
@@ -162,11 +166,6 @@ class ReRoPEInstall(LoadObserver):
     block_size: int = 0
     """vLLM's block size (set when installed through the connector)."""
     _modules: list[tuple[torch.nn.Module, torch.nn.Module]] = field(default_factory=list)
-
-    def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
-        """The worker's load observer: loads land whole before the forward, so
-        K2 of the loaded blocks is derived before any layer reads it."""
-        return any(t.load_ids for t in meta.requests)
 
     def blocks_loaded(self, transfers: list[ReqTransfer], failed: set[str]) -> None:
         # Blocks that failed are recomputed by vLLM, K2 included.
