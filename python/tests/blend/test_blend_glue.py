@@ -46,11 +46,11 @@ def test_blended_transfer_carries_chunk_loads() -> None:
     plan = plan_request(prompt, B, "m", store, cfg)
     assert plan.mode is BlendMode.BLEND and plan.prefix_hit_blocks == 2
     vblocks = [50, 51, 52, 53, 54, 55, 56, 57]
-    t = ReqTransfer("r", load_ids=plan.prefix_ids[:2], load_blocks=vblocks[:2])
+    t = ReqTransfer("r", load_keys=plan.prefix_ids[:2], load_into=vblocks[:2])
     BlendScheduler.attach(t, plan, vblocks)
     # prefix blocks first, then the chunk blocks in their new places
-    assert t.load_blocks == [50, 51, 52, 53, 54, 55]
-    assert t.load_ids[2:] == [ld.block_id for ld in plan.chunk_loads]
+    assert t.load_into == [50, 51, 52, 53, 54, 55]
+    assert t.load_keys[2:] == [ld.block_id for ld in plan.chunk_loads]
     meta = t.sparse
     assert isinstance(meta, BlendReqMeta) and meta.block_ids == vblocks[:7]
     assert meta.first_slot() == 52 * B  # first token after the 2-block prefix

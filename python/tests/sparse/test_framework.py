@@ -33,7 +33,7 @@ INFO = SparseModelInfo(block_size=16, num_layers=2, num_heads=8, num_kv_heads=2,
 
 
 class Recorder(UcmSparseBase):
-    """A user method as in the seed's extension example."""
+    """A user method as in the original UCM's extension example."""
 
     def build_sparse_meta(self, scheduler_output, requests=None, input_batch=None, attn=None):
         meta = UcmSparseMetadata(step=scheduler_output)
@@ -138,7 +138,7 @@ def test_factory_registers_user_method(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_parse_seed_yaml_shape() -> None:
-    """The seed's YAML: ESA with sparse_ratio, local_window_sz, retrieval_stride."""
+    """The original UCM's YAML: ESA with sparse_ratio, local_window_sz, retrieval_stride."""
     spec = parse_sparse_config(
         {"ESA": {"sparse_ratio": 0.3, "local_window_sz": 2, "retrieval_stride": 5}}
     )

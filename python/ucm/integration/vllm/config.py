@@ -1,12 +1,12 @@
 """Configuration of the vLLM connector.
 
-Three sources, merged key by key with this priority (seed §6.2)::
+Three sources, merged key by key with this priority::
 
     environment (UCM_<KEY>)  >  kv_connector_extra_config  >  YAML file  >  defaults
 
 * ``kv_connector_extra_config`` is the inline dict of ``--kv-transfer-config``.
 * The YAML file is named by ``UCM_CONFIG_FILE`` (environment first, then the
-  inline key of that name). Its shape is the seed's::
+  inline key of that name). Its shape is the original UCM's::
 
       ucm_connectors:
         - ucm_connector_name: UcmPipelineStore

@@ -10,14 +10,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class ReqTransfer:
-    """One request's transfers in one step. Ids are the rank-0 store keys;
-    ``*_blocks`` are the vLLM block ids (same length)."""
+    """One request's transfers in one step: store block ``load_keys[i]`` is
+    loaded into vLLM block ``load_into[i]``, vLLM block ``save_from[i]`` is
+    saved as store block ``save_keys[i]``. Keys are the rank-0 store keys."""
 
     req_id: str
-    load_ids: list[bytes] = field(default_factory=list)
-    load_blocks: list[int] = field(default_factory=list)
-    save_ids: list[bytes] = field(default_factory=list)
-    save_blocks: list[int] = field(default_factory=list)
+    load_keys: list[bytes] = field(default_factory=list)
+    load_into: list[int] = field(default_factory=list)
+    save_keys: list[bytes] = field(default_factory=list)
+    save_from: list[int] = field(default_factory=list)
     sparse: Any = None
     """The sparse method's payload for this request (opaque to the
     connector; see :class:`~ucm.integration.vllm.scheduler.SchedulerExtension`)."""
@@ -36,11 +37,11 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 
     @property
     def has_loads(self) -> bool:
-        return any(r.load_ids for r in self.requests)
+        return any(r.load_keys for r in self.requests)
 
     @property
     def has_saves(self) -> bool:
-        return any(r.save_ids for r in self.requests)
+        return any(r.save_keys for r in self.requests)
 
 
 __all__ = ["ReqTransfer", "UCMConnectorMetadata"]

@@ -133,7 +133,7 @@ class SchedulerExtension:
 @dataclass
 class _ReqState:
     req_id: str
-    ids: list[bytes]
+    keys: list[bytes]  # store keys of the full blocks
     local_blocks: int
     ext_blocks: int
     save_limit: int  # blocks that may be saved (full blocks of the known tokens)
@@ -284,7 +284,7 @@ class UCMSchedulerSide:
         ext_blocks = -(-num_external_tokens // B) if num_external_tokens > 0 else 0
         st = _ReqState(
             req_id=req_id,
-            ids=ids,
+            keys=ids,
             local_blocks=local_blocks,
             ext_blocks=ext_blocks,
             save_limit=len(ids) if self.save_enabled else 0,
@@ -352,15 +352,15 @@ class UCMSchedulerSide:
         if load is not None:
             load_start, b = load
             b = min(b, len(vblocks))
-            t.load_ids = st.ids[load_start:b]
-            t.load_blocks = vblocks[load_start:b]
+            t.load_keys = st.keys[load_start:b]
+            t.load_into = vblocks[load_start:b]
             st.pending_load = None
             st.last_load = (load_start, b)
         self.extension.extend_transfer(t, load_start, vblocks)
         save_idx = [i for i in save_idx if i < len(vblocks)]
         if save_idx:
-            t.save_ids = [st.ids[i] for i in save_idx]
-            t.save_blocks = [vblocks[i] for i in save_idx]
+            t.save_keys = [st.keys[i] for i in save_idx]
+            t.save_from = [vblocks[i] for i in save_idx]
             self._reqs_with_saves.add(req_id)
         st.save_extra = []
         st.saved_upto = max(st.saved_upto, upto)

@@ -93,7 +93,7 @@ class LoadsBeforeForward(LoadObserver):
     """Every step's loads land before the forward (the method's hooks read them)."""
 
     def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
-        return any(t.load_ids for t in meta.requests)
+        return any(t.load_keys for t in meta.requests)
 
 
 class UCMWorkerSide:
@@ -213,14 +213,14 @@ class UCMWorkerSide:
         self._save_plan = []
         self._load_reqs = []
         for t in meta.requests:
-            if t.save_ids:
+            if t.save_keys:
                 self.saves.expect(t.req_id)
                 self._save_plan.append(
-                    (t.req_id, rank_keys(t.save_ids, self.key_rank), t.save_blocks)
+                    (t.req_id, rank_keys(t.save_keys, self.key_rank), t.save_from)
                 )
-            if t.load_ids:
+            if t.load_keys:
                 self._load_reqs.append(
-                    (t.req_id, rank_keys(t.load_ids, self.key_rank), t.load_blocks)
+                    (t.req_id, rank_keys(t.load_keys, self.key_rank), t.load_into)
                 )
         self._loads_first = self.load_observer.prepare_loads(meta)
         if self._loads_first:
@@ -273,7 +273,7 @@ class UCMWorkerSide:
             self._wait_loads(-1)
             if self._meta is not None:
                 failed = {self._load_reqs[i][0] for i in self._load_failed_reqs}
-                loaded = [t for t in self._meta.requests if t.load_ids]
+                loaded = [t for t in self._meta.requests if t.load_keys]
                 self.load_observer.blocks_loaded(loaded, failed)
             self._finish_load_step()
 

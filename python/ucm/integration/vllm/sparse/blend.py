@@ -172,8 +172,8 @@ class BlendScheduler(SchedulerExtension):
             STATS["skip_split_alloc"] += 1
             return
         for ld in plan.chunk_loads:
-            transfer.load_ids.append(ld.block_id)
-            transfer.load_blocks.append(vblocks[ld.block_index])
+            transfer.load_keys.append(ld.block_id)
+            transfer.load_into.append(vblocks[ld.block_index])
         transfer.sparse = BlendReqMeta(plan, list(vblocks[:n_blocks]))
 
     def forget(self, req_id: str) -> None:

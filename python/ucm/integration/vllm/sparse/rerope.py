@@ -169,7 +169,7 @@ class ReRoPEInstall(LoadsBeforeForward):
 
     def blocks_loaded(self, transfers: list[ReqTransfer], failed: set[str]) -> None:
         # Blocks that failed are recomputed by vLLM, K2 included.
-        self.rebuild_loaded([(t.load_blocks, t.sparse) for t in transfers], self.block_size)
+        self.rebuild_loaded([(t.load_into, t.sparse) for t in transfers], self.block_size)
 
     def rebuild_loaded(self, loads: list[tuple[list[int], int]], block_size: int) -> None:
         """K2 of blocks a connector loaded into the KV cache (the store holds K and V only).
@@ -310,7 +310,7 @@ class ReRoPEScheduler(SchedulerExtension):
     def extend_transfer(
         self, transfer: ReqTransfer, load_start: int, vllm_blocks: list[int]
     ) -> None:
-        if transfer.load_ids:
+        if transfer.load_keys:
             transfer.sparse = load_start
 
 
