@@ -17,7 +17,6 @@ There is no paper; the design is Quest/InfLLM-style (see
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
@@ -25,8 +24,6 @@ from ucm.sparse.esa.config import ESAConfig
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.offload import (
-    Executor,
-    OffloadPlan,
     OffloadRetrieval,
     OffloadSelectorBase,
     OffloadSparseBase,
@@ -54,26 +51,15 @@ def esa_scores(q: torch.Tensor, reps: torch.Tensor, impl: Impl = "auto") -> torc
 class ESASelector(OffloadSelectorBase):
     """ESA state of one request: per-layer representatives and retrieval."""
 
-    def __init__(
-        self,
-        plan: OffloadPlan,
-        config: ESAConfig,
-        executor: Executor,
-        impl: Impl = "auto",
-    ) -> None:
-        super().__init__(plan, executor)
-        self.config = config
-        self.impl = impl
-        self.reps: dict[int, torch.Tensor] = {}
-
     def on_prefill_finished(
-        self, layer: int, k_cache: torch.Tensor, prompt_block_ids: torch.Tensor
+        self,
+        layer: int,
+        k_cache: torch.Tensor,
+        prompt_block_ids: torch.Tensor,
+        prefill_queries: torch.Tensor | None = None,
     ) -> None:
-        """Builds ``layer``'s representatives from the prompt's blocks.
-
-        ``prompt_block_ids`` ``[N]``: physical block of each logical prompt
-        block in ``k_cache`` (``[num_blocks, B, H_kv, D]``), before compression.
-        """
+        """Mean-key representatives of ``layer``'s middle blocks. The first
+        selection uses the first decode query, not ``prefill_queries``."""
         p = self.plan
         ids = prompt_block_ids[p.middle_start : p.middle_end]
         self.reps[layer] = esa_representatives(k_cache, ids, self.impl)
@@ -95,29 +81,4 @@ class ESA(OffloadSparseBase):
 
     config_class = ESAConfig
     rounding = "floor"
-
-    def __init__(self, vllm_config: Any, role: Any, config: ESAConfig | None = None) -> None:
-        super().__init__(vllm_config, role, config)
-        self.impl: Impl = "auto"
-
-    def make_selector(self, plan: OffloadPlan) -> ESASelector:
-        return ESASelector(plan, self.config, self.executor, self.impl)
-
-    def on_prefill_finished(
-        self,
-        request_id: str,
-        layer: int,
-        k_cache: torch.Tensor,
-        prompt_block_ids: torch.Tensor,
-        prompt_len: int,
-        prefill_queries: torch.Tensor | None = None,
-    ) -> ESASelector | None:
-        """End of the last prefill chunk of ``layer``; None when the request stays
-        dense. ESA's first selection uses the first decode query, not
-        ``prefill_queries``."""
-        if not self.is_sparse_layer(layer):
-            return None
-        sel = self.selector_for(request_id, prompt_len)
-        if sel is not None:
-            sel.on_prefill_finished(layer, k_cache, prompt_block_ids)
-        return sel  # type: ignore[return-value]
+    selector_class = ESASelector

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import torch
 
@@ -96,16 +95,9 @@ class KVStarSelector(OffloadSelectorBase):
     """KVStar state of one request: per-layer channels, representatives, retrieval."""
 
     def __init__(
-        self,
-        plan: OffloadPlan,
-        config: KVStarConfig,
-        executor: Executor,
-        impl: Impl = "auto",
+        self, plan: OffloadPlan, config: KVStarConfig, executor: Executor, impl: Impl = "auto"
     ) -> None:
-        super().__init__(plan, executor)
-        self.config = config
-        self.impl = impl
-        self.reps: dict[int, torch.Tensor] = {}
+        super().__init__(plan, config, executor, impl)
         self.channels: dict[int, torch.Tensor] = {}
         self.scale: float | None = None
 
@@ -156,27 +148,4 @@ class KVStar(OffloadSparseBase):
 
     config_class = KVStarConfig
     rounding = "ceil"
-
-    def __init__(self, vllm_config: Any, role: Any, config: KVStarConfig | None = None) -> None:
-        super().__init__(vllm_config, role, config)
-        self.impl: Impl = "auto"
-
-    def make_selector(self, plan: OffloadPlan) -> KVStarSelector:
-        return KVStarSelector(plan, self.config, self.executor, self.impl)
-
-    def on_prefill_finished(
-        self,
-        request_id: str,
-        layer: int,
-        k_cache: torch.Tensor,
-        prompt_block_ids: torch.Tensor,
-        prompt_len: int,
-        prefill_queries: torch.Tensor | None = None,
-    ) -> KVStarSelector | None:
-        """End of the last prefill chunk of ``layer``; None when the request stays dense."""
-        if not self.is_sparse_layer(layer):
-            return None
-        sel = self.selector_for(request_id, prompt_len)
-        if sel is not None:
-            sel.on_prefill_finished(layer, k_cache, prompt_block_ids, prefill_queries)
-        return sel  # type: ignore[return-value]
+    selector_class = KVStarSelector

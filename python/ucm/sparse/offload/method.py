@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ucm.sparse.base import INVALID_SLOT, SparseNeeds, UcmSparseBase, UcmSparseRole
+from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.offload.plan import OffloadPlan, make_offload_plan
 from ucm.sparse.offload.retrieval import Executor, InlineExecutor, StepActions, ThreadExecutor
 
@@ -36,10 +37,31 @@ def topk_sorted(scores: torch.Tensor, k: int, largest: bool = True) -> list[int]
 class OffloadSelectorBase:
     """Per-request selection state across layers (subclassed per method)."""
 
-    def __init__(self, plan: OffloadPlan, executor: Executor) -> None:
+    def __init__(
+        self, plan: OffloadPlan, config: Any, executor: Executor, impl: Impl = "auto"
+    ) -> None:
         self.plan = plan
+        self.config = config
         self.executor = executor
+        self.impl = impl
         self.layers: dict[int, Any] = {}
+        self.reps: dict[int, torch.Tensor] = {}
+
+    def on_prefill_finished(
+        self,
+        layer: int,
+        k_cache: torch.Tensor,
+        prompt_block_ids: torch.Tensor,
+        prefill_queries: torch.Tensor | None = None,
+    ) -> None:
+        """Builds ``layer``'s representatives from the prompt's blocks.
+
+        ``prompt_block_ids`` ``[N]``: physical block of each logical prompt
+        block in ``k_cache`` (``[num_blocks, B, H_kv, D]``), before
+        compression; ``prefill_queries`` ``[X, H_q, D]``: the queries of the
+        chunk (a method may vote with the last ones).
+        """
+        raise NotImplementedError
 
     def begin_step(self, layer: int, step: int, query: torch.Tensor) -> StepActions:
         """Decode ``step`` of ``layer`` with query ``[H_q, D]``; see :class:`StepActions`."""
@@ -59,6 +81,7 @@ class OffloadSparseBase(UcmSparseBase):
 
     needs = SparseNeeds(offload=True)
     rounding = "floor"
+    selector_class: type[OffloadSelectorBase] = OffloadSelectorBase
 
     def __init__(self, vllm_config: Any, role: UcmSparseRole, config: Any = None) -> None:
         if config is None:
@@ -67,6 +90,7 @@ class OffloadSparseBase(UcmSparseBase):
         self._prompt_lens: dict[str, int] = {}
         self.selectors: dict[str, OffloadSelectorBase] = {}
         self._executor: Executor | None = None
+        self.impl: Impl = "auto"
 
     # -- shared arithmetic ------------------------------------------------
 
@@ -123,7 +147,7 @@ class OffloadSparseBase(UcmSparseBase):
     # -- worker side --------------------------------------------------------
 
     def make_selector(self, plan: OffloadPlan) -> OffloadSelectorBase:
-        raise NotImplementedError
+        return self.selector_class(plan, self.config, self.executor, self.impl)
 
     def on_prefill_finished(
         self,
@@ -135,14 +159,14 @@ class OffloadSparseBase(UcmSparseBase):
         prefill_queries: torch.Tensor | None = None,
     ) -> OffloadSelectorBase | None:
         """End of the last prefill chunk of ``layer``: builds the request's
-        representatives of that layer; None when the request stays dense.
-
-        ``prompt_block_ids`` ``[N]``: physical block of each logical prompt
-        block in ``k_cache`` (``[num_blocks, B, H_kv, D]``), before
-        compression; ``prefill_queries`` ``[X, H_q, D]``: the queries of the
-        chunk (a method may vote with the last ones).
-        """
-        raise NotImplementedError
+        representatives of that layer (:meth:`OffloadSelectorBase.on_prefill_finished`);
+        None when the request stays dense."""
+        if not self.is_sparse_layer(layer):
+            return None
+        sel = self.selector_for(request_id, prompt_len)
+        if sel is not None:
+            sel.on_prefill_finished(layer, k_cache, prompt_block_ids, prefill_queries)
+        return sel
 
     def selector_for(self, request_id: str, prompt_len: int) -> OffloadSelectorBase | None:
         """The request's selector (created on first use), or None when it stays dense."""
