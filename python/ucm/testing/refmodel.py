@@ -289,15 +289,11 @@ def forward(
         k_view, v_view = cache.views(name)
         attention.write_kv(k_view, k, meta.slot_mapping)
         attention.write_kv(v_view, v, meta.slot_mapping)
+        paged = (q, k_view, v_view, meta.block_table, meta.seq_lens, meta.query_start_loc)
         if rerope is not None:
             attention.write_kv(cache.k2[name], k2, meta.slot_mapping)
             attention.paged_attention(
-                q,
-                k_view,
-                v_view,
-                meta.block_table,
-                meta.seq_lens,
-                meta.query_start_loc,
+                *paged,
                 None,
                 scale,
                 q_w=q_w,
@@ -308,12 +304,7 @@ def forward(
             )
         elif agent is None or not agent.sparse_attention(name, q, cache.kv[name], meta, out):
             attention.paged_attention(
-                q,
-                k_view,
-                v_view,
-                meta.block_table,
-                meta.seq_lens,
-                meta.query_start_loc,
+                *paged,
                 pos[-q.shape[0] :],
                 scale,
                 out=out,

@@ -13,7 +13,9 @@ Every op takes ``impl``:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
+from types import ModuleType
 from typing import Literal
 
 import torch
@@ -36,6 +38,12 @@ def triton_usable(t: torch.Tensor) -> bool:
     if not HAS_TRITON:
         return False
     return t.is_cuda or INTERPRET
+
+
+def launchers_of(family: str) -> ModuleType | None:
+    """The ``launchers`` module of a kernel family (e.g. ``__name__`` of
+    :mod:`ucm.sparse.kernels.attention`), or None without Triton."""
+    return importlib.import_module(f"{family}.launchers") if HAS_TRITON else None
 
 
 def use_triton(impl: Impl, t: torch.Tensor) -> bool:
@@ -93,6 +101,7 @@ __all__ = [
     "choose_num_splits",
     "dot_pad",
     "launch_guard",
+    "launchers_of",
     "require",
     "triton_usable",
     "use_triton",

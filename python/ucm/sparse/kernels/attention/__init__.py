@@ -14,13 +14,9 @@ import torch
 
 from ucm.sparse.kernels.attention import reference
 from ucm.sparse.kernels.attention.reference import default_q_positions, write_kv
-from ucm.sparse.kernels.dispatch import Impl, use_triton
-from ucm.sparse.kernels.triton_utils import HAS_TRITON
+from ucm.sparse.kernels.dispatch import Impl, launchers_of, use_triton
 
-if HAS_TRITON:
-    from ucm.sparse.kernels.attention import launchers as _launchers
-else:  # pragma: no cover - depends on the environment
-    _launchers = None
+_launchers = launchers_of(__name__)
 
 
 def paged_decode_attention(
@@ -62,23 +58,11 @@ def paged_attention(
     See :func:`ucm.sparse.kernels.attention.reference.paged_attention`. Decode-only
     batches (every sequence one query token) use the split-K decode kernel.
     """
+    cache = (k_cache, v_cache, block_table, seq_lens)
+    rerope = {"q_w": q_w, "k2_cache": k2_cache, "window": window, "out": out}
     if not use_triton(impl, q):
-        return reference.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            query_start_loc,
-            q_positions,
-            scale,
-            q_w=q_w,
-            k2_cache=k2_cache,
-            window=window,
-            out=out,
-        )
-    s = seq_lens.numel()
-    decode_only = q.shape[0] == s
+        return reference.paged_attention(q, *cache, query_start_loc, q_positions, scale, **rerope)
+    decode_only = q.shape[0] == seq_lens.numel()
     if decode_only:
         if max_query_len is None:
             qsl = query_start_loc.to(torch.long)
@@ -86,33 +70,9 @@ def paged_attention(
         else:
             decode_only = max_query_len == 1
     if decode_only:
-        return _launchers.paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            q_positions,
-            scale,
-            q_w=q_w,
-            k2_cache=k2_cache,
-            window=window,
-            out=out,
-        )
+        return _launchers.paged_decode_attention(q, *cache, q_positions, scale, **rerope)
     return _launchers.paged_prefill_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        q_positions,
-        scale,
-        q_w=q_w,
-        k2_cache=k2_cache,
-        window=window,
-        out=out,
-        max_query_len=max_query_len,
+        q, *cache, query_start_loc, q_positions, scale, max_query_len=max_query_len, **rerope
     )
 
 

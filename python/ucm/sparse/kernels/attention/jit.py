@@ -25,6 +25,21 @@ from ucm.sparse.kernels.triton_utils import tl, triton
 
 
 @triton.jit
+def _tile_dot(a, b_ptrs, mask, IEEE: tl.constexpr, UPCAST: tl.constexpr, A_AS_B: tl.constexpr):
+    """``a @ b`` with the tile ``b`` loaded at ``b_ptrs`` (``A_AS_B``: ``a`` cast to its dtype)."""
+    b = tl.load(b_ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        b = b.to(tl.float32)
+    if A_AS_B:
+        a = a.to(b.dtype)
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _scores(
     q,
     qw,
@@ -42,43 +57,47 @@ def _scores(
     """Scores of one ``[M, D] x [D, N]`` tile: S1, S2 or the per-element mix."""
     if REROPE:
         if max_rel < window:
-            k = tl.load(k_ptrs, mask=kmask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, k, input_precision="ieee")
-            else:
-                s = tl.dot(q, k)
+            s = _tile_dot(q, k_ptrs, kmask, IEEE, UPCAST, False)
         elif min_rel >= window:
-            k2 = tl.load(k2_ptrs, mask=kmask, other=0.0)
-            if UPCAST:
-                k2 = k2.to(tl.float32)
-            if IEEE:
-                s = tl.dot(qw, k2, input_precision="ieee")
-            else:
-                s = tl.dot(qw, k2)
+            s = _tile_dot(qw, k2_ptrs, kmask, IEEE, UPCAST, False)
         else:
-            k = tl.load(k_ptrs, mask=kmask, other=0.0)
-            k2 = tl.load(k2_ptrs, mask=kmask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                k2 = k2.to(tl.float32)
-            if IEEE:
-                s1 = tl.dot(q, k, input_precision="ieee")
-                s2 = tl.dot(qw, k2, input_precision="ieee")
-            else:
-                s1 = tl.dot(q, k)
-                s2 = tl.dot(qw, k2)
+            s1 = _tile_dot(q, k_ptrs, kmask, IEEE, UPCAST, False)
+            s2 = _tile_dot(qw, k2_ptrs, kmask, IEEE, UPCAST, False)
             s = tl.where(rel < window, s1, s2)
     else:
-        k = tl.load(k_ptrs, mask=kmask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
+        s = _tile_dot(q, k_ptrs, kmask, IEEE, UPCAST, False)
     return s
+
+
+@triton.jit
+def _load_queries(q_ptrs, qw_ptrs, qmask, k_ptr, REROPE: tl.constexpr, UPCAST: tl.constexpr):
+    """The query tile and, with ReRoPE, ``q_w`` (else ``q`` again), in the product dtype."""
+    q = tl.load(q_ptrs, mask=qmask, other=0.0)
+    if REROPE:
+        qw = tl.load(qw_ptrs, mask=qmask, other=0.0)
+    else:
+        qw = q
+    if UPCAST:
+        q = q.to(tl.float32)
+        qw = qw.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+        qw = qw.to(k_ptr.dtype.element_ty)
+    return q, qw
+
+
+@triton.jit
+def _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of the online softmax: scaled scores ``sc`` (-inf where not
+    visible) and the V tile at ``v_ptrs``; returns the new max, normaliser and
+    unnormalised output."""
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(sc - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _tile_dot(p, v_ptrs, vmask, IEEE, UPCAST, True)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -158,28 +177,14 @@ def paged_prefill_kernel(
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
     qmask = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(
+    q, qw = _load_queries(
         q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=qmask,
-        other=0.0,
+        qw_ptr + row[:, None] * stride_wt + head[:, None] * stride_wh + offs_d[None, :] * stride_wd,
+        qmask,
+        k_ptr,
+        REROPE,
+        UPCAST,
     )
-    if REROPE:
-        qw = tl.load(
-            qw_ptr
-            + row[:, None] * stride_wt
-            + head[:, None] * stride_wh
-            + offs_d[None, :] * stride_wd,
-            mask=qmask,
-            other=0.0,
-        )
-    else:
-        qw = q
-    if UPCAST:
-        q = q.to(tl.float32)
-        qw = qw.to(tl.float32)
-    else:
-        q = q.to(k_ptr.dtype.element_ty)
-        qw = qw.to(k_ptr.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -217,28 +222,15 @@ def paged_prefill_kernel(
         )
         visible = (rel >= 0) & mask_n[None, :] & mask_m[:, None]
         sc = tl.where(visible, sc * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
+        v_ptrs = (
             v_ptr
             + blk[:, None] * stride_vb
             + off[:, None] * stride_vt
             + h * stride_vh
-            + offs_d[None, :] * stride_vd,
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
+            + offs_d[None, :] * stride_vd
         )
-        if UPCAST:
-            v = v.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        vmask = mask_n[:, None] & mask_d[None, :]
+        m_i, l_i, acc = _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE, UPCAST)
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(
         out_ptr
@@ -327,25 +319,14 @@ def paged_decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = h * GROUP + offs_g
     qmask = mask_g[:, None] & mask_d[None, :]
-    q = tl.load(
+    q, qw = _load_queries(
         q_ptr + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=qmask,
-        other=0.0,
+        qw_ptr + s * stride_ws + heads[:, None] * stride_wh + offs_d[None, :] * stride_wd,
+        qmask,
+        k_ptr,
+        REROPE,
+        UPCAST,
     )
-    if REROPE:
-        qw = tl.load(
-            qw_ptr + s * stride_ws + heads[:, None] * stride_wh + offs_d[None, :] * stride_wd,
-            mask=qmask,
-            other=0.0,
-        )
-    else:
-        qw = q
-    if UPCAST:
-        q = q.to(tl.float32)
-        qw = qw.to(tl.float32)
-    else:
-        q = q.to(k_ptr.dtype.element_ty)
-        qw = qw.to(k_ptr.dtype.element_ty)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -375,28 +356,15 @@ def paged_decode_split_kernel(
             q, qw, k_ptrs, k2_ptrs, kmask, rel, window, min_rel, max_rel, REROPE, IEEE, UPCAST
         )
         sc = tl.where(mask_n[None, :], sc * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
+        v_ptrs = (
             v_ptr
             + blk * stride_vb
             + offs_n[:, None].to(tl.int64) * stride_vt
             + h * stride_vh
-            + offs_d[None, :] * stride_vd,
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
+            + offs_d[None, :] * stride_vd
         )
-        if UPCAST:
-            v = v.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        vmask = mask_n[:, None] & mask_d[None, :]
+        m_i, l_i, acc = _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE, UPCAST)
     a_ptrs = acc_ptr + s * stride_as + heads[:, None] * stride_ah + sp * stride_ap
     tl.store(a_ptrs + offs_d[None, :] * stride_ad, acc, mask=qmask)
     ml_off = s * stride_ms + heads * stride_mh + sp * stride_mp

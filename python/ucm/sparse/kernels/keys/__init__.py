@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse.kernels.dispatch import Impl, use_triton
+from ucm.sparse.kernels.dispatch import Impl, launchers_of, use_triton
 from ucm.sparse.kernels.keys import reference
-from ucm.sparse.kernels.triton_utils import HAS_TRITON
 
-if HAS_TRITON:
-    from ucm.sparse.kernels.keys import launchers as _launchers
-else:  # pragma: no cover - depends on the environment
-    _launchers = None
+_launchers = launchers_of(__name__)
 
 
 def delta_rope(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse.kernels.dispatch import Impl, use_triton
+from ucm.sparse.kernels.dispatch import Impl, launchers_of, use_triton
 from ucm.sparse.kernels.selection import reference
 from ucm.sparse.kernels.selection.reference import (
     FORCED_SCORE,
@@ -18,12 +18,8 @@ from ucm.sparse.kernels.selection.reference import (
     group_mean_query,
     srp_projection,
 )
-from ucm.sparse.kernels.triton_utils import HAS_TRITON
 
-if HAS_TRITON:
-    from ucm.sparse.kernels.selection import launchers as _launchers
-else:  # pragma: no cover - depends on the environment
-    _launchers = None
+_launchers = launchers_of(__name__)
 
 
 def block_representatives(

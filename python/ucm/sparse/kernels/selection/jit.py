@@ -142,6 +142,40 @@ def block_score_dot_kernel(
 
 
 @triton.jit
+def _vote_logits(
+    qv,
+    rep_ptr,
+    row_ptr,
+    offs_n,
+    mask_n,
+    offs_m,
+    mask_m,
+    offs_d,
+    mask_d,
+    h,
+    stride_tn,
+    stride_rp,
+    stride_rm,
+    stride_rh,
+    stride_rd,
+):
+    """``[BLOCK_N, M_PAD]`` logits of one query against the sub-block
+    representatives of the candidate blocks ``offs_n`` (-inf where masked)."""
+    slots = tl.load(row_ptr + offs_n * stride_tn, mask=mask_n, other=0)
+    r_ptrs = (
+        rep_ptr
+        + slots.to(tl.int64)[:, None, None] * stride_rp
+        + offs_m[None, :, None] * stride_rm
+        + h * stride_rh
+        + offs_d[None, None, :] * stride_rd
+    )
+    mask_r = mask_n[:, None, None] & mask_m[None, :, None] & mask_d[None, None, :]
+    r = tl.load(r_ptrs, mask=mask_r, other=0.0).to(tl.float32)
+    logit = tl.sum(r * qv[None, None, :], axis=2)
+    return tl.where(mask_n[:, None] & mask_m[None, :], logit, float("-inf"))
+
+
+@triton.jit
 def kvstar_vote_kernel(
     q_ptr,
     rep_ptr,
@@ -199,18 +233,10 @@ def kvstar_vote_kernel(
     for start in range(0, n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n
-        slots = tl.load(table_ptr + s * stride_ts + offs_n * stride_tn, mask=mask_n, other=0)
-        r_ptrs = (
-            rep_ptr
-            + slots.to(tl.int64)[:, None, None] * stride_rp
-            + offs_m[None, :, None] * stride_rm
-            + h * stride_rh
-            + offs_d[None, None, :] * stride_rd
-        )
-        mask_r = mask_n[:, None, None] & mask_m[None, :, None] & mask_d[None, None, :]
-        r = tl.load(r_ptrs, mask=mask_r, other=0.0).to(tl.float32)
-        logit = tl.sum(r * qv[None, None, :], axis=2)
-        logit = tl.where(mask_n[:, None] & mask_m[None, :], logit, float("-inf"))
+        logit = _vote_logits(
+            qv, rep_ptr, table_ptr + s * stride_ts, offs_n, mask_n, offs_m, mask_m, offs_d,
+            mask_d, h, stride_tn, stride_rp, stride_rm, stride_rh, stride_rd,
+        )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(tl.max(logit, axis=1), axis=0))
         p = tl.exp(logit - m_new)
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.sum(p, axis=1), axis=0)
@@ -219,18 +245,10 @@ def kvstar_vote_kernel(
     for start in range(0, n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n
-        slots = tl.load(table_ptr + s * stride_ts + offs_n * stride_tn, mask=mask_n, other=0)
-        r_ptrs = (
-            rep_ptr
-            + slots.to(tl.int64)[:, None, None] * stride_rp
-            + offs_m[None, :, None] * stride_rm
-            + h * stride_rh
-            + offs_d[None, None, :] * stride_rd
-        )
-        mask_r = mask_n[:, None, None] & mask_m[None, :, None] & mask_d[None, None, :]
-        r = tl.load(r_ptrs, mask=mask_r, other=0.0).to(tl.float32)
-        logit = tl.sum(r * qv[None, None, :], axis=2)
-        logit = tl.where(mask_n[:, None] & mask_m[None, :], logit, float("-inf"))
+        logit = _vote_logits(
+            qv, rep_ptr, table_ptr + s * stride_ts, offs_n, mask_n, offs_m, mask_m, offs_d,
+            mask_d, h, stride_tn, stride_rp, stride_rm, stride_rh, stride_rd,
+        )  # fmt: skip
         mass = tl.sum(tl.exp(logit - m_i), axis=1) * inv_l
         tl.store(out_ptr + s * stride_os + v * stride_ov + offs_n * stride_on, mass, mask=mask_n)
 
