@@ -29,6 +29,21 @@ MAX_TOKENS = 8
 WINDOW, TRAINING = 128, 512
 
 
+def engine_args(model_dir: object) -> dict:
+    """The engine: the model raised to 4096 positions, a small KV cache."""
+    return dict(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=4096,
+        hf_overrides={"max_position_embeddings": 4096},
+        kv_cache_memory_bytes=32 << 20,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+
+
 def main() -> None:
     import torch
 
@@ -43,17 +58,7 @@ def main() -> None:
         return connector_main(model_dir, sys.argv[3])
     from vllm import LLM, SamplingParams
 
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        block_size=32,
-        max_model_len=4096,
-        hf_overrides={"max_position_embeddings": 4096},
-        kv_cache_memory_bytes=32 << 20,
-        enable_prefix_caching=False,
-        seed=0,
-    )
+    llm = LLM(**engine_args(model_dir))
     cfg = ReRoPEConfig(rerope_window=WINDOW, training_length=TRAINING)
 
     def same_table(model: torch.nn.Module) -> bool:
@@ -125,15 +130,7 @@ def connector_main(model_dir: object, store: str) -> None:
         "ucm_sparse_config": {"ReRoPE": {"rerope_window": WINDOW, "training_length": TRAINING}},
     }
     llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        block_size=32,
-        max_model_len=4096,
-        hf_overrides={"max_position_embeddings": 4096},
-        kv_cache_memory_bytes=32 << 20,
-        enable_prefix_caching=False,
-        seed=0,
+        **engine_args(model_dir),
         kv_transfer_config=KVTransferConfig(**CONNECTOR, kv_connector_extra_config=ucm),
     )
     rng = random.Random(0)

@@ -29,9 +29,6 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
 )

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.engines import run_check_script
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
@@ -34,23 +31,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_check(tmp_path: Path, *args: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "python"), env.get("PYTHONPATH")) if p
-    )
-    for k in [k for k in env if k.startswith("UCM_")]:
-        del env[k]
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "rerope_vllm_check.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(tmp_path),
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT@@ ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return run_check_script(HERE / "rerope_vllm_check.py", *args, cwd=tmp_path, timeout=600)
 
 
 def test_rerope_serves_2k_prompt_on_512_position_model(

@@ -8,17 +8,13 @@ global state never leaks into the test process; the model is a random
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.engines import run_check_script
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
@@ -28,29 +24,8 @@ needs_vllm = pytest.mark.skipif(
 def _run_child(scenario: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
     cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider
     model_dir = cache.mkdir("ucm-sparse-tiny256") if cache is not None else tmp_path / "model"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "python"), env.get("PYTHONPATH")) if p
-    )
-    for k in [k for k in env if k.startswith("UCM_")]:
-        del env[k]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "sparse_vllm_check.py"),
-            str(model_dir),
-            str(tmp_path),
-            scenario,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(tmp_path),
-        timeout=900,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULT@@ ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1].split(" ", 1)[1])
+    args = (str(model_dir), str(tmp_path), scenario)
+    return run_check_script(HERE / "sparse_vllm_check.py", *args, cwd=tmp_path, timeout=900)
 
 
 # ---------------------------------------------------------------------------- vLLM
