@@ -28,12 +28,12 @@ that match full prefill's continuation.
 Backends (``--backend``):
 
 * ``ref`` (default, runs anywhere): the torch reference stack
-  :mod:`ucm.sparse.blend.refmodel` (vLLM's CPU KV layout, random weights,
+  :mod:`ucm.testing.refmodel` (vLLM's CPU KV layout, random weights,
   ``--impl torch`` or ``triton``/``auto`` on a GPU);
 * ``vllm`` (``--vllm``): real vLLM engines (CPU build here; any build with
   ``enforce_eager``, prefix caching off) on a random-weight Llama of the
-  same shape written by :mod:`ucm.integration.vllm.tiny_model`, one engine
-  per process (:mod:`ucm.sparse.blend.vllm_child`). The reference outputs
+  same shape written by :mod:`ucm.testing.tiny_model`, one engine
+  per process (:mod:`ucm.testing.vllm_child`). The reference outputs
   come from vLLM without a connector; an engine with the UCM connector fills
   a Posix store by serving every pool chunk alone. Then one engine per ratio
   with ``ucm_sparse_config: {Blend: {blend_recompute_ratio: r}}``
@@ -68,8 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend import Blend, BlendConfig
-from ucm.sparse.blend import ops as blend_ops
-from ucm.sparse.blend import refmodel as rm
+from ucm.sparse.kernels import keys
+from ucm.testing import refmodel as rm
 
 END = 3  # chunk-end token (the tiny vocab's <pad>)
 
@@ -185,9 +185,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             times, res, cache = [], None, None
             for _ in range(args.repeat):
                 blend, cache = make_blend(ratio)
-                orig = blend_ops.kv_deviation
+                orig = keys.kv_deviation
                 if random_sel:
-                    blend_ops.kv_deviation = lambda kc, s, kf, impl="auto": torch.rand(kf.shape[0])
+                    keys.kv_deviation = lambda kc, s, kf, impl="auto": torch.rand(kf.shape[0])
                 try:
                     t0 = time.perf_counter()
                     res = rm.serve_prefill(
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     )
                     times.append(time.perf_counter() - t0)
                 finally:
-                    blend_ops.kv_deviation = orig
+                    keys.kv_deviation = orig
             assert res is not None and cache is not None
             cont = rm.decode(model, cache, res.seq, res.logits, args.decode, impl=args.impl)
             t = statistics.median(times)
@@ -230,8 +230,8 @@ def run_vllm(args: argparse.Namespace) -> list[dict]:
     """The ``vllm`` backend (see the module doc)."""
     import tempfile
 
-    from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
-    from ucm.sparse.blend.vllm_child import run_child
+    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.testing.vllm_child import run_child
 
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ucm-blend-bench-"))
     spec = TinyModelSpec(

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python" / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from servers import MotoServer, NfsServer, find_binary
+from support.servers import MotoServer, NfsServer, find_binary
 
 from cache_trace import zipf_trace
 from ucm.store import UcmConnectorFactory, UcmKVStoreBase

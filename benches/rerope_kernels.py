@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from ucm.sparse.rerope import ops
+from ucm.sparse.kernels import attention
 
 
 def case(n: int, h_kv: int, g: int, d: int, b: int, dtype: torch.dtype, dev: str):
@@ -65,7 +65,7 @@ def bench_length(n: int, args: argparse.Namespace, dtype: torch.dtype, dev: str)
     def attn(kind: str, window: int | None) -> None:
         qq, ww = (q, q_w) if kind == "prefill" else (qd, qwd)
         kw = {} if window is None else {"q_w": ww, "k2_cache": k2c, "window": window}
-        ops.paged_attention(
+        attention.paged_attention(
             qq, kc, vc, table, sl, starts[kind], max_query_len=qq.shape[0], impl=args.impl, **kw
         )
 
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sl, qsl = torch.tensor([300], device=dev), torch.tensor([0, 300], device=dev)
     kw = dict(q_w=q_w, k2_cache=k2c, window=40)
-    got = ops.paged_attention(q, kc, vc, table, sl, qsl, impl=args.impl, **kw)
-    exp = ops.paged_attention(q, kc, vc, table, sl, qsl, impl="torch", **kw)
+    got = attention.paged_attention(q, kc, vc, table, sl, qsl, impl=args.impl, **kw)
+    exp = attention.paged_attention(q, kc, vc, table, sl, qsl, impl="torch", **kw)
     err = (got.float() - exp.float()).abs().max().item()
     print(f"device {dev}, dtype {dtype}, max |kernel - reference| at L=300, W=40: {err:.2e}")
 

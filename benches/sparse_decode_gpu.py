@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from ucm.sparse import ops
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
-from ucm.sparse.layout import make_offload_plan
+from ucm.sparse.kernels import attention, selection
+from ucm.sparse.offload import make_offload_plan
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def run_case(tokens: int, batch: int, shape: Shape, ratios: list[float], device:
     rows = []
 
     def attn(tbl: torch.Tensor, lens: torch.Tensor):
-        return lambda: ops.paged_decode_attention(q, k, v, tbl, lens, impl="triton")
+        return lambda: attention.paged_decode_attention(q, k, v, tbl, lens, impl="triton")
 
     scale = 1.0 / math.sqrt(shape.head_dim)
     dense_ms = bench(attn(table, seq_lens), device, reps)
@@ -126,7 +126,7 @@ def run_case(tokens: int, batch: int, shape: Shape, ratios: list[float], device:
                 reps_pool = torch.randn(s * r, shape.kv_heads, shape.head_dim, device=device)
 
                 def score(reps_pool=reps_pool, table_r=table_r, num_r=num_r, k_sel=k_sel):
-                    sc = ops.block_scores_dot(q, reps_pool, table_r, num_r, impl="triton")
+                    sc = selection.block_scores_dot(q, reps_pool, table_r, num_r, impl="triton")
                     return torch.topk(sc, k_sel, dim=1).indices
             else:
                 dp, m = shape.head_dim // 4, 8
@@ -136,7 +136,9 @@ def run_case(tokens: int, batch: int, shape: Shape, ratios: list[float], device:
                 qx = q.unsqueeze(1).expand(s, stride, shape.heads, shape.head_dim).contiguous()
 
                 def score(pool=pool, ch=ch, qx=qx, table_r=table_r, num_r=num_r, k_sel=k_sel):
-                    sc = ops.kvstar_vote_scores(qx, pool, table_r, num_r, ch, scale, impl="triton")
+                    sc = selection.kvstar_vote_scores(
+                        qx, pool, table_r, num_r, ch, scale, impl="triton"
+                    )
                     return torch.topk(sc, k_sel, dim=1).indices
 
             t_score = bench(score, device, reps)

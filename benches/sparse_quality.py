@@ -30,12 +30,12 @@ Case sources (``--source``, repeatable):
 * ``planted-sharp``: the same with strong boosts (6-8 logits on half of
   each block's keys): attention concentrates on the planted blocks;
 * ``random-llama``: q/k/v captured from a small random-weight Llama-style
-  decoder in plain torch (:func:`ucm.sparse.synthetic.random_llama_case`);
+  decoder in plain torch (:func:`ucm.testing.synthetic.random_llama_case`);
 * ``file:PATH``: a ``torch.save``'d list of dicts with keys ``k``, ``v``,
   ``queries``, ``block_size`` (e.g. captured from vLLM later).
 
 New sources plug in through :data:`SOURCES` (name -> callable returning
-:class:`~ucm.sparse.synthetic.SparseCase` objects).
+:class:`~ucm.testing.synthetic.SparseCase` objects).
 
 Usage: ``python benches/sparse_quality.py [--source planted] [--quick] [--json out.json]``.
 """
@@ -54,17 +54,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from ucm.sparse import ops
-from ucm.sparse.esa import esa_representatives, esa_scores, topk_sorted
+from ucm.sparse.esa import esa_representatives, esa_scores
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
+from ucm.sparse.kernels import attention, selection
+from ucm.sparse.kernels.dispatch import Impl, triton_usable
 from ucm.sparse.kvstar import kvstar_channels, kvstar_representatives, kvstar_scores
-from ucm.sparse.layout import make_offload_plan
-from ucm.sparse.synthetic import SparseCase, planted_case, random_llama_case
+from ucm.sparse.offload import make_offload_plan, topk_sorted
+from ucm.testing.synthetic import SparseCase, planted_case, random_llama_case
 
 RATIOS = (0.1, 0.2, 0.3)
 METHODS = ("ESA", "GSA", "KVStar", "Oracle")
 N_INIT, N_LOCAL, KVSTAR_STRIDE = 1, 2, 8
-IMPL: ops.Impl = "auto"
+IMPL: Impl = "auto"
 
 
 # ----------------------------------------------------------------------------- sources
@@ -162,7 +163,7 @@ def select_gsa(case: SparseCase, ratio: float) -> list[int]:
 
 def block_mass(case: SparseCase) -> torch.Tensor:
     """``[N]`` dense attention mass of the current query per block (head mean)."""
-    w = ops.dense_attention_weights(case.queries[-1], case.k)  # [H_q, L]
+    w = selection.dense_attention_weights(case.queries[-1], case.k)  # [H_q, L]
     pad = case.num_blocks * case.block_size - case.seq_len
     w = torch.nn.functional.pad(w, (0, pad))
     return w.reshape(w.shape[0], case.num_blocks, case.block_size).sum(-1).mean(0)
@@ -191,13 +192,13 @@ def evaluate(case: SparseCase, selected: list[int]) -> dict[str, float]:
     true_top = set(torch.topk(mass, len(sel)).indices.tolist())
     kc, vc, ids = case.paged()
     q = case.queries[-1:]
-    dense = ops.paged_decode_attention(
+    dense = attention.paged_decode_attention(
         q, kc, vc, ids[None], torch.tensor([case.seq_len]), impl=IMPL
     )
     b = case.block_size
     length = case.seq_len - (n - len(sel)) * b if (n - 1) in sel else len(sel) * b
     table = torch.tensor([sel], dtype=torch.int32)
-    sparse = ops.paged_decode_attention(q, kc, vc, table, torch.tensor([length]), impl=IMPL)
+    sparse = attention.paged_decode_attention(q, kc, vc, table, torch.tensor([length]), impl=IMPL)
     return {
         "kept": len(sel) / n,
         "recall": len(true_top & set(sel)) / max(1, len(sel)),
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     print(
         f"\n({time.perf_counter() - t0:.1f}s, impl={IMPL}, triton usable on CPU: "
-        f"{ops.triton_usable(torch.zeros(1))})"
+        f"{triton_usable(torch.zeros(1))})"
     )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

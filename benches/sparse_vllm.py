@@ -44,8 +44,8 @@ def child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from ucm.integration.vllm import sparse_bridge
-    from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.integration.vllm.sparse import offload
+    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
     spec = TinyModelSpec(
         layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2, intermediate=2 * args.hidden
@@ -81,8 +81,8 @@ def child(args: argparse.Namespace) -> None:
         if i == 0 or m is None or m.last_token_ts <= m.first_token_ts:
             continue  # warm-up
         tps.append((args.decode - 1) / (m.last_token_ts - m.first_token_ts))
-        if sparse_bridge.FINISHED_FOOTPRINTS:
-            fp = sparse_bridge.FINISHED_FOOTPRINTS[-1][1]
+        if offload.FINISHED_FOOTPRINTS:
+            fp = offload.FINISHED_FOOTPRINTS[-1][1]
             held.append(fp.max_decode_held)
             dense.append(fp.max_decode_dense)
     bb = llm.llm_engine.engine_core.engine_core.scheduler.connector.geometry.block_bytes

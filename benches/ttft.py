@@ -49,8 +49,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ucm.integration.vllm.harness import EngineProcess, engine_env
-from ucm.integration.vllm.tiny_model import TinyModelSpec, make_tiny_llama
+from ucm.testing.harness import EngineProcess, engine_env
+from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_SPEC = TinyModelSpec(

@@ -4,9 +4,9 @@
 # UCMConnector on its default store (Cache|Posix under .ucm-demo/vllm), sends a
 # long prompt, restarts the engine, sends it again and prints cold and warm
 # time to first token and the hit rate. Arguments go to
-# `python -m ucm.integration.vllm.demo` (--tokens N, --layerwise, --dir DIR).
+# `python -m ucm.testing.vllm_demo` (--tokens N, --layerwise, --dir DIR).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/tools/setup.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m ucm.integration.vllm.demo "$@"
+exec "$ROOT/.venv/bin/python" -m ucm.testing.vllm_demo "$@"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,9 +14,8 @@ import pytest
 # Triton kernels run on the CPU through the interpreter unless a GPU run
 # asks otherwise; it must be set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).parent))
 
-from store_helpers import base_config
+from support.store_helpers import base_config
 
 from ucm.store import UcmConnectorFactory, UcmKVStoreBase
 

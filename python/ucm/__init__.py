@@ -1,10 +1,17 @@
 """Unified Cache Manager: tiered KV-cache storage for LLM inference.
 
-Subpackages:
+Subpackages (``docs/architecture.md`` draws how they fit):
 
-* :mod:`ucm.store` -- the store API (``UcmKVStoreBase``), the factory and configs;
+* :mod:`ucm.store` -- the store API (``UcmKVStoreBase``), the factory, configs
+  and pipelines of stages over the Rust core (``ucm._native``);
 * :mod:`ucm.hashing` -- chained block ids;
-* :mod:`ucm.shared` -- logging and shared helpers.
+* :mod:`ucm.integration` -- engines: :mod:`ucm.integration.vllm`, the
+  ``UCMConnector`` KV connector and the sparse methods' bridge into vLLM;
+* :mod:`ucm.sparse` -- sparse attention and KV reuse methods (ESA, KVStar,
+  GSA, Blend, ReRoPE, users' own), engine-neutral, with their kernels;
+* :mod:`ucm.shared` -- logging, config parsing, metrics;
+* :mod:`ucm.testing` -- test and demo tooling (not product API);
+* :mod:`ucm.demo` -- a store round trip without an engine.
 """
 
 from ucm.shared.logging import init_logging

@@ -1,4 +1,4 @@
-"""The main job until the vLLM connector lands: a store round trip.
+"""A store round trip without an inference engine (``./tools/demo.sh``).
 
 Creates a Posix store under a local directory, dumps a few hundred MiB of
 KV-cache-shaped blocks through the Python API (torch tensors, one shard per

@@ -15,8 +15,8 @@ import torch
 
 from ucm.sparse import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend import CHUNKS_PARAM, Blend, BlendConfig, BlendMode
-from ucm.sparse.blend import refmodel as rm
-from ucm.sparse.triton_utils import HAS_TRITON
+from ucm.sparse.kernels.triton_utils import HAS_TRITON
+from ucm.testing import refmodel as rm
 
 B = 16
 END = 3

@@ -7,10 +7,10 @@ import importlib.util
 
 import pytest
 
+from ucm.integration.vllm.sparse.blend import BlendReqMeta, BlendScheduler, blend_config_from
 from ucm.sparse.blend import BlendConfig, BlendMode, plan_request
-from ucm.sparse.blend import refmodel as rm
-from ucm.sparse.blend.vllm_integration import BlendReqMeta, BlendScheduler, blend_config_from
-from ucm.sparse.rerope.vllm_patch import rerope_hash_salt
+from ucm.sparse.config import method_kv_namespace
+from ucm.testing import refmodel as rm
 
 B = 4
 END = 3
@@ -25,10 +25,10 @@ def test_config_selection() -> None:
 
 
 def test_rerope_salt_separates_configs() -> None:
-    a = rerope_hash_salt({"ReRoPE": {"rerope_window": 128, "training_length": 512}})
-    b = rerope_hash_salt({"ReRoPE": {"rerope_window": 64, "training_length": 512}})
+    a = method_kv_namespace({"ReRoPE": {"rerope_window": 128, "training_length": 512}})
+    b = method_kv_namespace({"ReRoPE": {"rerope_window": 64, "training_length": 512}})
     assert a and b and a != b
-    assert rerope_hash_salt({"Blend": {}}) == "" and rerope_hash_salt(None) == ""
+    assert method_kv_namespace({"Blend": {}}) == "" and method_kv_namespace(None) == ""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -46,12 +46,12 @@ def test_blended_transfer_carries_chunk_loads() -> None:
     plan = plan_request(prompt, B, "m", store, cfg)
     assert plan.mode is BlendMode.BLEND and plan.prefix_hit_blocks == 2
     vblocks = [50, 51, 52, 53, 54, 55, 56, 57]
-    t = ReqTransfer("r", load_ids=plan.prefix_ids[:2], load_blocks=vblocks[:2])
+    t = ReqTransfer("r", load_keys=plan.prefix_ids[:2], load_into=vblocks[:2])
     BlendScheduler.attach(t, plan, vblocks)
     # prefix blocks first, then the chunk blocks in their new places
-    assert t.load_blocks == [50, 51, 52, 53, 54, 55]
-    assert t.load_ids[2:] == [ld.block_id for ld in plan.chunk_loads]
-    meta = t.blend
+    assert t.load_into == [50, 51, 52, 53, 54, 55]
+    assert t.load_keys[2:] == [ld.block_id for ld in plan.chunk_loads]
+    meta = t.sparse
     assert isinstance(meta, BlendReqMeta) and meta.block_ids == vblocks[:7]
     assert meta.first_slot() == 52 * B  # first token after the 2-block prefix
     # chunk 2 was cached at 0 and now starts at 2 blocks, chunk 0 at 4 blocks
@@ -78,8 +78,8 @@ def _store_with_chunks() -> tuple[rm.DictStore, list[list[int]]]:
 
 
 def test_scheduler_lookup_decisions() -> None:
+    from ucm.integration.vllm.sparse.blend import STATS
     from ucm.sparse import SparseModelInfo
-    from ucm.sparse.blend.vllm_integration import STATS
 
     store, chunks = _store_with_chunks()
     info = SparseModelInfo(block_size=B, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8)

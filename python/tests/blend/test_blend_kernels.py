@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucm.sparse.blend import launchers
-from ucm.sparse.blend import ops as blend_ops
-from ucm.sparse.blend import reference as ref
-from ucm.sparse.layout import cpu_kv_cache_views
-from ucm.sparse.rerope.rope import apply_rope, rope_cos_sin_cache
-from ucm.sparse.triton_utils import HAS_TRITON
+from ucm.sparse.kernels import keys
+from ucm.sparse.kernels.keys import launchers
+from ucm.sparse.kernels.keys import reference as ref
+from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
+from ucm.sparse.kernels.triton_utils import HAS_TRITON
+from ucm.sparse.kernels.views import cpu_kv_cache_views
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -68,13 +68,13 @@ def test_delta_rope_moves_keys_to_new_positions(is_neox: bool) -> None:
     pos = torch.arange(t)
     for new_start in (0, 5, 1000):
         k = apply_rope(raw, pos, cs, is_neox)
-        blend_ops.delta_rope_tokens(k, torch.full((t,), new_start), cs, is_neox, impl="triton")
+        keys.delta_rope_tokens(k, torch.full((t,), new_start), cs, is_neox, impl="triton")
         torch.testing.assert_close(
             k, apply_rope(raw, pos + new_start, cs, is_neox), atol=2e-4, rtol=1e-4
         )
     # and back: a negative delta undoes it
     k = apply_rope(raw, pos + 300, cs, is_neox)
-    blend_ops.delta_rope_tokens(k, torch.full((t,), -300), cs, is_neox, impl="triton")
+    keys.delta_rope_tokens(k, torch.full((t,), -300), cs, is_neox, impl="triton")
     torch.testing.assert_close(k, apply_rope(raw, pos, cs, is_neox), atol=2e-4, rtol=1e-4)
 
 
@@ -122,4 +122,4 @@ def test_kv_deviation_through_slots(dtype: torch.dtype, assert_close) -> None:
     assert out[3] == 0
     atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (1e-2, 1e-3)
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
-    assert blend_ops.kv_deviation(k, slots[:0], fresh[:0]).numel() == 0
+    assert keys.kv_deviation(k, slots[:0], fresh[:0]).numel() == 0

@@ -21,7 +21,7 @@ from ucm.sparse.blend import (
     plan_request,
     segment_by_end_token,
 )
-from ucm.sparse.config import build_method_config
+from ucm.sparse.factory import build_method_config
 
 B = 4
 END = 0

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from ucm.sparse import SparseModelInfo, UcmSparseRole
-from ucm.sparse.blend import Blend, BlendConfig, BlendStep, build_step, layer_index, select_hkvd
+from ucm.sparse.base import layer_index
+from ucm.sparse.blend import Blend, BlendConfig, BlendStep, build_step, select_hkvd
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, BlockLoad
 from ucm.sparse.blend.select import BlendRequestRows
-from ucm.sparse.layout import cpu_kv_cache_views
+from ucm.sparse.kernels.views import cpu_kv_cache_views
 
 
 def test_select_hkvd_top_deviation_plus_forced() -> None:

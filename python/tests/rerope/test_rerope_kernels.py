@@ -15,10 +15,11 @@ import math
 import pytest
 import torch
 
-from ucm.sparse.rerope import launchers
+from ucm.sparse.kernels.attention import launchers
+from ucm.sparse.kernels.attention import reference as attention_ref
+from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
+from ucm.sparse.kernels.triton_utils import HAS_TRITON
 from ucm.sparse.rerope import reference as ref
-from ucm.sparse.rerope.rope import apply_rope, rope_cos_sin_cache
-from ucm.sparse.triton_utils import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 H_KV = 2
@@ -118,7 +119,7 @@ def test_beyond_window_prefill(g: int, d: int, assert_close) -> None:
     n, w = 83, 20  # partial last block (83 = 5 * 16 + 3)
     c = sequence_case(n, g, d, w, train=32)  # log-n scaling active past position 31
     out = prefill(c, n, w)
-    expected = ref.paged_attention(
+    expected = attention_ref.paged_attention(
         c["q_rot"],
         c["kc"],
         c["vc"],
@@ -147,7 +148,7 @@ def test_decode_kernel(w: int, splits: int, assert_close) -> None:
     out = launchers.paged_decode_attention(
         q, kc, vc, table, lens, q_w=q_w, k2_cache=k2c, window=w, num_splits=splits
     )
-    expected = ref.paged_attention(
+    expected = attention_ref.paged_attention(
         q, kc, vc, table, lens, torch.arange(s + 1), q_w=q_w, k2_cache=k2c, window=w
     )
     assert_close(out, expected, torch.float32)
@@ -174,14 +175,16 @@ def test_chunked_prefill_mixed_batch_odd_block(assert_close) -> None:
         out = launchers.paged_prefill_attention(
             q, kc, vc, table, lens, qsl, q_w=q_w, k2_cache=k2c, window=w
         )
-        exp = ref.paged_attention(q, kc, vc, table, lens, qsl, q_w=q_w, k2_cache=k2c, window=w)
+        exp = attention_ref.paged_attention(
+            q, kc, vc, table, lens, qsl, q_w=q_w, k2_cache=k2c, window=w
+        )
         assert_close(out, exp, torch.float32)
     # Blend-style rows: a non-contiguous subset of a prompt at its true positions
     pos = torch.tensor([3, 10, 11, 40, 41, 42, 77, 99])
     qsub = torch.randn(8, H_KV * g, d)
     one = dict(block_table=table[:1], seq_lens=lens[:1], query_start_loc=torch.tensor([0, 8]))
     out = launchers.paged_prefill_attention(qsub, kc, vc, q_positions=pos, **one)
-    exp = ref.paged_attention(qsub, kc, vc, q_positions=pos, **one)
+    exp = attention_ref.paged_attention(qsub, kc, vc, q_positions=pos, **one)
     assert_close(out, exp, torch.float32)
 
 
@@ -191,7 +194,7 @@ def test_half_dtypes(dtype: torch.dtype, assert_close) -> None:
     c = sequence_case(n, g, d, w, b=32, train=16, dtype=dtype)
     out = prefill(c, n, w)
     assert out.dtype == dtype
-    exp = ref.paged_attention(
+    exp = attention_ref.paged_attention(
         c["q_rot"],
         c["kc"],
         c["vc"],

@@ -7,14 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ucm.integration.vllm.sparse.rerope import ReRoPERotary
 from ucm.shared.config import ConfigError
 from ucm.sparse import SparseModelInfo, UcmSparseFactory, UcmSparseRole
-from ucm.sparse.config import build_method_config
-from ucm.sparse.layout import cpu_kv_cache_views
+from ucm.sparse.factory import build_method_config
+from ucm.sparse.kernels.attention import reference as attention_ref
+from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
+from ucm.sparse.kernels.views import cpu_kv_cache_views
 from ucm.sparse.rerope import ReRoPE, ReRoPEConfig
 from ucm.sparse.rerope import reference as ref
-from ucm.sparse.rerope.rope import apply_rope, rope_cos_sin_cache
-from ucm.sparse.rerope.vllm_patch import ReRoPERotary
 
 INFO = SparseModelInfo(block_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
 NAME = "model.layers.0.self_attn.attn"
@@ -70,8 +71,8 @@ def test_hooks_write_k2_and_compute_rerope() -> None:
     q_rot, q_w, k_rot, k2 = ref.rerope_prepare(q, k, pos, cs, 8, 16)
     kc, vc = cpu_kv_cache_views(kv)
     slots = torch.tensor([1, 3]).repeat_interleave(16)[:n] * 16 + torch.arange(n) % 16
-    ref.write_kv(kc, k_rot, slots)  # what vLLM's do_kv_cache_update does
-    ref.write_kv(vc, v, slots)
+    attention_ref.write_kv(kc, k_rot, slots)  # what vLLM's do_kv_cache_update does
+    attention_ref.write_kv(vc, v, slots)
     meta = SimpleNamespace(
         slot_mapping=slots,
         num_actual_tokens=n,

@@ -19,7 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ucm.sparse.ops import kernels as K
+from ucm.sparse.kernels.attention import jit as A
+from ucm.sparse.kernels.selection import jit as K
 
 FLOAT_ARGS = {"scale"}
 
@@ -45,18 +46,19 @@ def compile_one(fn, pointers: dict[str, str], constexprs: dict[str, object], arc
 
 def variants():
     attn_ptrs = {
-        "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32",
-        "seq_lens_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+        "q_ptr": "*bf16", "qw_ptr": "*bf16", "k_ptr": "*bf16", "k2_ptr": "*bf16",
+        "v_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "qpos_ptr": "*i32",
+        "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
     }  # fmt: skip
     attn = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=16,
-                NUM_SPLITS=16, IEEE=False, UPCAST=False)  # fmt: skip
-    yield "paged_decode_split bf16", K.paged_decode_split_kernel, attn_ptrs, attn
+                NUM_SPLITS=16, REROPE=False, IEEE=False, UPCAST=False)  # fmt: skip
+    yield "paged_decode_split bf16", A.paged_decode_split_kernel, attn_ptrs, attn
     fp32_ptrs = {k: ("*fp32" if v == "*bf16" else v) for k, v in attn_ptrs.items()}
     attn32 = dict(attn, GROUP=4, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=32, BLOCK_N=32, IEEE=True)
-    yield "paged_decode_split fp32", K.paged_decode_split_kernel, fp32_ptrs, attn32
+    yield "paged_decode_split fp32", A.paged_decode_split_kernel, fp32_ptrs, attn32
     yield (
         "paged_decode_reduce",
-        K.paged_decode_reduce_kernel,
+        A.paged_decode_reduce_kernel,
         {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16"},
         dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=16, SPLITS_PAD=16),
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ucm.integration.vllm.sparse import state
 from ucm.shared.config import ConfigError
 from ucm.sparse import (
     INVALID_SLOT,
@@ -23,7 +24,6 @@ from ucm.sparse import (
     UcmSparseRole,
     parse_sparse_config,
     sparse_config_from_connector,
-    state,
 )
 from ucm.sparse.esa import ESA
 from ucm.sparse.gsa import GSA
@@ -33,7 +33,7 @@ INFO = SparseModelInfo(block_size=16, num_layers=2, num_heads=8, num_kv_heads=2,
 
 
 class Recorder(UcmSparseBase):
-    """A user method as in the seed's extension example."""
+    """A user method as in the original UCM's extension example."""
 
     def build_sparse_meta(self, scheduler_output, requests=None, input_batch=None, attn=None):
         meta = UcmSparseMetadata(step=scheduler_output)
@@ -138,7 +138,7 @@ def test_factory_registers_user_method(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_parse_seed_yaml_shape() -> None:
-    """The seed's YAML: ESA with sparse_ratio, local_window_sz, retrieval_stride."""
+    """The original UCM's YAML: ESA with sparse_ratio, local_window_sz, retrieval_stride."""
     spec = parse_sparse_config(
         {"ESA": {"sparse_ratio": 0.3, "local_window_sz": 2, "retrieval_stride": 5}}
     )
@@ -212,16 +212,17 @@ def test_import_without_triton() -> None:
         sys.modules["triton"] = None  # "import triton" raises ImportError
         import torch
         import ucm.sparse
-        from ucm.sparse import ops
-        assert not ucm.sparse.HAS_TRITON and not ops.triton_usable(torch.zeros(1))
+        from ucm.sparse.kernels import attention, selection
+        from ucm.sparse.kernels.dispatch import triton_usable
+        assert not ucm.sparse.HAS_TRITON and not triton_usable(torch.zeros(1))
         k = torch.randn(4, 16, 2, 64)
-        reps = ops.block_representatives(k, torch.tensor([0, 1]), torch.tensor([16, 3]))
+        reps = selection.block_representatives(k, torch.tensor([0, 1]), torch.tensor([16, 3]))
         assert reps.shape == (2, 1, 2, 64)
-        out = ops.paged_decode_attention(torch.randn(1, 8, 64), k, k,
+        out = attention.paged_decode_attention(torch.randn(1, 8, 64), k, k,
                                          torch.tensor([[0, 1]]), torch.tensor([20]))
         assert out.shape == (1, 8, 64)
         try:
-            ops.paged_decode_attention(torch.randn(1, 8, 64), k, k, torch.tensor([[0]]),
+            attention.paged_decode_attention(torch.randn(1, 8, 64), k, k, torch.tensor([[0]]),
                                        torch.tensor([3]), impl="triton")
         except RuntimeError as e:
             assert "not installed" in str(e)

@@ -11,14 +11,18 @@ import math
 
 import pytest
 import torch
-from kernel_checks import assert_close
+from support.kernel_checks import assert_close
 
-from ucm.sparse import ops
-from ucm.sparse.layout import cpu_kv_cache_views
-from ucm.sparse.ops import launchers
-from ucm.sparse.ops import reference as ref
+from ucm.sparse.kernels import selection
+from ucm.sparse.kernels.attention import launchers as attention_launchers
+from ucm.sparse.kernels.attention import reference as attention_ref
+from ucm.sparse.kernels.dispatch import choose_num_splits, dot_pad, triton_usable
+from ucm.sparse.kernels.selection import launchers
+from ucm.sparse.kernels.selection import reference as ref
+from ucm.sparse.kernels.triton_utils import HAS_TRITON
+from ucm.sparse.kernels.views import cpu_kv_cache_views
 
-pytestmark = pytest.mark.skipif(not ops.HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 GQA = [1, 4, 8]
 HEAD_DIMS = [64, 128]
@@ -44,8 +48,8 @@ def test_paged_decode_gqa_head_dims(g: int, d: int) -> None:
     q = torch.randn(3, H_KV * g, d)
     table = _tables(3, 6, nb)
     seq_lens = torch.tensor([16 * 6, 37, 1], dtype=torch.int32)  # full, partial tail, one key
-    out = launchers.paged_decode_attention(q, k, v, table, seq_lens)
-    assert_close(out, ref.paged_decode_attention(q, k, v, table, seq_lens), torch.float32)
+    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens)
+    assert_close(out, attention_ref.paged_decode_attention(q, k, v, table, seq_lens), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -55,9 +59,9 @@ def test_paged_decode_half_dtypes(dtype: torch.dtype) -> None:
     q = torch.randn(2, H_KV * g, d).to(dtype)
     table = _tables(2, 5, nb)
     seq_lens = torch.tensor([150, 33], dtype=torch.int32)
-    out = launchers.paged_decode_attention(q, k, v, table, seq_lens)
+    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens)
     assert out.dtype == dtype
-    assert_close(out, ref.paged_decode_attention(q, k, v, table, seq_lens), dtype)
+    assert_close(out, attention_ref.paged_decode_attention(q, k, v, table, seq_lens), dtype)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -68,8 +72,8 @@ def test_paged_decode_splits_and_empty(splits: int) -> None:
     q = torch.randn(3, H_KV * 4, d)
     table = _tables(3, 4, nb)
     seq_lens = torch.tensor([50, 0, 64], dtype=torch.int32)
-    out = launchers.paged_decode_attention(q, k, v, table, seq_lens, num_splits=splits)
-    expected = ref.paged_decode_attention(q, k, v, table, seq_lens)
+    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens, num_splits=splits)
+    expected = attention_ref.paged_decode_attention(q, k, v, table, seq_lens)
     assert_close(out, expected, torch.float32)
     assert torch.count_nonzero(out[1]) == 0
 
@@ -80,8 +84,10 @@ def test_paged_decode_odd_block_size_and_scale() -> None:
     q = torch.randn(2, H_KV * 8, d)
     table = _tables(2, 5, nb)
     seq_lens = torch.tensor([24 * 4 + 7, 24], dtype=torch.int32)
-    out = launchers.paged_decode_attention(q, k, v, table, seq_lens, scale=0.3)
-    assert_close(out, ref.paged_decode_attention(q, k, v, table, seq_lens, 0.3), torch.float32)
+    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens, scale=0.3)
+    assert_close(
+        out, attention_ref.paged_decode_attention(q, k, v, table, seq_lens, 0.3), torch.float32
+    )
 
 
 def test_paged_decode_reads_vllm_cpu_layout_in_place() -> None:
@@ -93,9 +99,11 @@ def test_paged_decode_reads_vllm_cpu_layout_in_place() -> None:
     q = torch.randn(2, h * 4, c)
     table = torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32)
     seq_lens = torch.tensor([80, 64], dtype=torch.int32)
-    out = launchers.paged_decode_attention(q, k, v, table, seq_lens)
+    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens)
     kc, vc = k.contiguous(), v.contiguous()
-    assert_close(out, ref.paged_decode_attention(q, kc, vc, table, seq_lens), torch.float32)
+    assert_close(
+        out, attention_ref.paged_decode_attention(q, kc, vc, table, seq_lens), torch.float32
+    )
 
 
 def test_paged_decode_over_selection_matches_gathered_dense() -> None:
@@ -105,7 +113,7 @@ def test_paged_decode_over_selection_matches_gathered_dense() -> None:
     q = torch.randn(1, H_KV * g, d)
     selected = torch.tensor([[0, 7, 9, 19]], dtype=torch.int32)
     seq_len = torch.tensor([3 * b + 5], dtype=torch.int32)
-    out = launchers.paged_decode_attention(q, k, v, selected, seq_len)
+    out = attention_launchers.paged_decode_attention(q, k, v, selected, seq_len)
     keys = k[selected[0].long()].reshape(-1, H_KV, d)[: int(seq_len)]
     vals = v[selected[0].long()].reshape(-1, H_KV, d)[: int(seq_len)]
     w = ref.dense_attention_weights(q[0], keys)  # [H_q, L]
@@ -114,17 +122,17 @@ def test_paged_decode_over_selection_matches_gathered_dense() -> None:
 
 
 def test_choose_num_splits() -> None:
-    assert launchers.choose_num_splits(64, 8, 2048) == 1
-    assert launchers.choose_num_splits(1, 8, 8192) == 32
-    assert launchers.choose_num_splits(1, 8, 8) == 2  # >= 4 blocks per split
-    assert launchers.choose_num_splits(1, 1, 3) == 1
+    assert choose_num_splits(64, 8, 2048) == 1
+    assert choose_num_splits(1, 8, 8192) == 32
+    assert choose_num_splits(1, 8, 8) == 2  # >= 4 blocks per split
+    assert choose_num_splits(1, 1, 3) == 1
     for s, h, n in [(1, 8, 8192), (3, 4, 999), (2, 1, 100)]:
-        x = launchers.choose_num_splits(s, h, n)
+        x = choose_num_splits(s, h, n)
         assert x & (x - 1) == 0 and 1 <= x <= 64
 
 
 def test_dot_pad() -> None:
-    assert [launchers.dot_pad(n) for n in (1, 8, 16, 17, 24, 128)] == [16, 16, 16, 32, 32, 128]
+    assert [dot_pad(n) for n in (1, 8, 16, 17, 24, 128)] == [16, 16, 16, 32, 32, 128]
 
 
 # --------------------------------------------------------------------------- representatives
@@ -261,10 +269,10 @@ def test_block_scores_hamming(h: int, w: int, b: int) -> None:
     got = launchers.block_scores_hamming(q, codes, table, seq_lens, sink_blocks=1, recent_blocks=4)
     want = ref.block_scores_hamming(q, codes, table, seq_lens, 1, 4)
     assert torch.equal(got, want)
-    assert got[0, 0] == ops.FORCED_SCORE and (got[0, 16:] == ops.FORCED_SCORE).all()
+    assert got[0, 0] == selection.FORCED_SCORE and (got[0, 16:] == selection.FORCED_SCORE).all()
     assert (got[0, 1:16] >= 0).all()
-    assert (got[2, :2] == ops.FORCED_SCORE).all()  # short: everything forced
-    assert (got[3] == ops.INVALID_SCORE).all()  # empty sequence
+    assert (got[2, :2] == selection.FORCED_SCORE).all()  # short: everything forced
+    assert (got[3] == selection.INVALID_SCORE).all()  # empty sequence
 
 
 def test_hamming_identical_code_scores_zero() -> None:
@@ -284,24 +292,24 @@ def test_hamming_identical_code_scores_zero() -> None:
 def test_dispatch_impls_agree_and_validate() -> None:
     k = _cache(6, 16, H_KV, 64)
     ids, nt = torch.tensor([1, 2]), torch.tensor([16, 9])
-    a = ops.block_representatives(k, ids, nt, impl="triton")
-    b = ops.block_representatives(k, ids, nt, impl="torch")
-    c = ops.block_representatives(k, ids, nt)
+    a = selection.block_representatives(k, ids, nt, impl="triton")
+    b = selection.block_representatives(k, ids, nt, impl="torch")
+    c = selection.block_representatives(k, ids, nt)
     assert_close(a, b, torch.float32)
     assert_close(c, b, torch.float32)
-    assert ops.triton_usable(k)
+    assert triton_usable(k)
     with pytest.raises(ValueError, match="impl must be"):
-        ops.block_representatives(k, ids, nt, impl="cuda")  # type: ignore[arg-type]
+        selection.block_representatives(k, ids, nt, impl="cuda")  # type: ignore[arg-type]
 
 
 def test_launcher_shape_errors() -> None:
     k = _cache(4, 16, 2, 64)
     with pytest.raises(ValueError, match="multiple"):
-        launchers.paged_decode_attention(
+        attention_launchers.paged_decode_attention(
             torch.randn(1, 3, 64), k, k, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4])
         )
     with pytest.raises(ValueError, match="head dim"):
-        launchers.paged_decode_attention(
+        attention_launchers.paged_decode_attention(
             torch.randn(1, 2, 32), k, k, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4])
         )
     with pytest.raises(ValueError, match="power of two"):

@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ucm.sparse.layout import (
-    OffloadPlan,
-    cpu_kv_cache_views,
-    flash_kv_cache_views,
-    gsa_shortened_len,
-    gsa_topk_blocks,
-    make_offload_plan,
-)
+from ucm.sparse.gsa import gsa_shortened_len, gsa_topk_blocks
+from ucm.sparse.kernels.views import cpu_kv_cache_views, flash_kv_cache_views
+from ucm.sparse.offload import OffloadPlan, make_offload_plan
 
 
 def test_plan_matches_original_esa_budget() -> None:

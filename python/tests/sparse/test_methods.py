@@ -7,16 +7,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_checks import assert_close
-from offload_sim import run_offload_sim
+from support.kernel_checks import assert_close
+from support.offload_sim import run_offload_sim
 
-from ucm.sparse import INVALID_SLOT, ESAConfig, GSAConfig, KVStarConfig, SparseModelInfo, ops
+from ucm.sparse import INVALID_SLOT, ESAConfig, GSAConfig, KVStarConfig, SparseModelInfo
 from ucm.sparse import UcmSparseRole as Role
-from ucm.sparse.esa import ESA, esa_representatives, esa_scores, topk_sorted
+from ucm.sparse.esa import ESA, esa_representatives, esa_scores
 from ucm.sparse.gsa import GSA, SRPHashEncoder, gsa_select
+from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kvstar import KVStar, kvstar_channels
-from ucm.sparse.layout import OffloadPlan
-from ucm.sparse.synthetic import planted_case, random_llama_case
+from ucm.sparse.offload import OffloadPlan, topk_sorted
+from ucm.testing.synthetic import planted_case, random_llama_case
 
 B = 16
 H_KV, G, D = 2, 4, 64
@@ -64,7 +65,7 @@ def test_esa_scores_find_planted_blocks() -> None:
     scores = esa_scores(c.queries[-1], reps)
     assert set(topk_sorted(scores, 5)) == set(c.relevant)
     # the definition: flattened dot of the group-mean query with the mean key
-    qm = ops.group_mean_query(c.queries[-1], H_KV)
+    qm = selection.group_mean_query(c.queries[-1], H_KV)
     j = c.relevant[0]
     assert_close(scores[j], (qm * kc[j].float().mean(0)).sum(), torch.float32)
 
@@ -272,8 +273,8 @@ def test_gsa_full_ratio_is_exactly_dense() -> None:
         nb = -(-int(seq_lens[i]) // B)
         assert torch.equal(new_table[i, :nb], table[i, :nb])
     kc, vc = torch.randn(16, B, H_KV, D), torch.randn(16, B, H_KV, D)
-    a = ops.paged_decode_attention(q, kc, vc, new_table, new_lens)
-    assert torch.equal(a, ops.paged_decode_attention(q, kc, vc, table, seq_lens))
+    a = attention.paged_decode_attention(q, kc, vc, new_table, new_lens)
+    assert torch.equal(a, attention.paged_decode_attention(q, kc, vc, table, seq_lens))
 
 
 def test_random_llama_case_shapes() -> None:

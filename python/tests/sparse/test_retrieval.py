@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from ucm.sparse.retrieval import (
+from ucm.sparse.offload.retrieval import (
     InlineExecutor,
     LoadOp,
     OffloadRetrieval,

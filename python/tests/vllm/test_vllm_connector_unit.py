@@ -21,7 +21,8 @@ import torch
 
 from ucm.integration.vllm.config import resolve_config
 from ucm.integration.vllm.scheduler import KVGeometry, UCMSchedulerSide
-from ucm.integration.vllm.worker import UCMWorkerSide, rank_keys
+from ucm.integration.vllm.transfer import rank_keys
+from ucm.integration.vllm.worker import UCMWorkerSide
 
 L, NB, H, BS, C = 3, 24, 2, 32, 64  # layers, vLLM blocks, KV heads, tokens/block, 2*head_dim
 SHARD = H * BS * C * 4
@@ -140,7 +141,7 @@ def save_prompt(side: Side, req_id: str, toks: list[int], blocks: list[int]) -> 
         side.kv[:, b] = torch.randn(L, H, BS, C)
     meta, _ = side.step(sched_output(new=[(req_id, 0, len(toks))]))
     n_full = len(toks) // BS
-    assert [t.save_blocks for t in meta.requests] == [blocks[:n_full]]
+    assert [t.save_from for t in meta.requests] == [blocks[:n_full]]
     delay, _ = side.sched.request_finished(req, blocks)
     assert delay is True  # blocks stay allocated until the saves are done
     done: set[str] = set()
@@ -173,8 +174,8 @@ def test_save_then_load_in_another_engine(tmp_path: Path, writer: dict, reader: 
     req = FakeRequest("r2", list(toks))
     assert b.admit(req, [1, 2, 5, 6, 7, 8]) == 5 * BS
     meta, _ = b.step(sched_output(new=[("r2", 5 * BS, 7)]))
-    assert meta.requests[0].load_blocks == [1, 2, 5, 6, 7]
-    assert meta.requests[0].save_ids == []
+    assert meta.requests[0].load_into == [1, 2, 5, 6, 7]
+    assert meta.requests[0].save_keys == []
     for src, dst in zip([3, 9, 4, 11, 12], [1, 2, 5, 6, 7], strict=True):
         assert torch.equal(b.kv[:, dst], a.kv[:, src])
     assert b.kv[:, 8].abs().sum() == 0
@@ -196,7 +197,7 @@ def test_full_hit_leaves_one_token_and_local_hits_are_skipped(tmp_path: Path) ->
     ext = a.admit(req, [0, 1, 5, 6], local_tokens=2 * BS)
     assert ext == 2 * BS - 1
     meta, _ = a.step(sched_output(new=[("r2", 4 * BS - 1, 1)]))
-    assert meta.requests[0].load_blocks == [5, 6]
+    assert meta.requests[0].load_into == [5, 6]
     assert torch.equal(a.kv[:, 5], a.kv[:, 2])
     # Sub-block prompt: nothing to hash, nothing to load or save.
     short = FakeRequest("r3", tokens(BS - 1, 3))
@@ -268,7 +269,7 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path, lookahead: in
     save_prompt(a, "r1", toks, [0, 1, 2, 3])
     a.close()
     # Corrupt the third block's file.
-    ids = a.sched._ids(FakeRequest("x", toks))
+    ids = a.sched.store_keys(FakeRequest("x", toks))
     path = Path(a.sched.store.get().block_path(ids[2]))
     raw = bytearray(path.read_bytes())
     raw[4096 + 100] ^= 0xFF
@@ -296,7 +297,7 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path, lookahead: in
     # recomputed blocks are saved again (the corrupt one was removed).
     first = min(errors) - 10
     meta, _ = b.step(sched_output(cached=[("r2", first * BS, (4 - first) * BS)]))
-    assert meta.requests[0].save_blocks == sorted(errors)
+    assert meta.requests[0].save_from == sorted(errors)
     b.close()
 
 
@@ -307,7 +308,7 @@ def test_preemption_waits_for_saves_and_finish_is_reported_once(tmp_path: Path) 
     meta, _ = a.step(sched_output(new=[("r1", 0, 3 * BS)]))
     assert meta.has_saves
     a.step(sched_output(preempted={"r1"}))
-    assert a.worker._pending.get("r1", 0) == 0  # waited in handle_preemptions
+    assert a.worker.saves.pending("r1") == 0  # waited in handle_preemptions
     delay, _ = a.sched.request_finished(req, [0, 1, 2])
     assert delay is True
     _, done = a.step(sched_output(finished={"r1"}), {"r1"})
@@ -358,7 +359,7 @@ def test_metadata_is_picklable() -> None:
         requests=[ReqTransfer("r", [b"x" * 16], [1], [], [])], preempted_req_ids={"p"}
     )
     m2 = pickle.loads(pickle.dumps(m))
-    assert m2.requests[0].load_blocks == [1] and m2.has_loads and not m2.has_saves
+    assert m2.requests[0].load_into == [1] and m2.has_loads and not m2.has_saves
     assert np.array([1]).dtype  # numpy stays importable alongside
 
 
@@ -382,7 +383,7 @@ def test_consumer_only_and_producer_only_roles(tmp_path: Path) -> None:
     req = FakeRequest("r2", toks + tokens(2 * BS, 12))
     assert b.admit(req, [3, 4, 5, 6, 7]) == 3 * BS
     meta, _ = b.step(sched_output(new=[("r2", 3 * BS, 2 * BS)]))
-    assert meta.requests[0].load_blocks == [3, 4, 5] and meta.requests[0].save_ids == []
+    assert meta.requests[0].load_into == [3, 4, 5] and meta.requests[0].save_keys == []
     b.sched.load_enabled, b.sched.save_enabled = False, True  # kv_producer
     assert b.admit(FakeRequest("r3", list(toks)), [8, 9, 10]) == 0
     b.close()
@@ -423,8 +424,8 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     a.admit(req, [0, 1])
     a.kv[:, :2] = torch.randn(L, 2, H, BS, C)
     a.step(sched_output(new=[("r1", 0, 2 * BS)]))
-    a.worker._wait_saves(None, 10)
-    rank0_ids = a.sched._ids(req)
+    a.worker.wait_for_saves(None, 10)
+    rank0_ids = a.sched.store_keys(req)
     store = a.worker.store.get()
     assert store.lookup(rank0_ids) == [False, False]
     assert store.lookup(rank_keys(rank0_ids, 1)) == [True, True]
@@ -438,5 +439,5 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     assert b.sched.request_finished(req, [0, 1]) == (True, None)
     _, done = b.step(sched_output(finished={"r2"}), {"r2"})
     assert done == {"r2"}
-    assert b.worker.store.get().lookup(b.sched._ids(req)) == [False, False]
+    assert b.worker.store.get().lookup(b.sched.store_keys(req)) == [False, False]
     b.close()

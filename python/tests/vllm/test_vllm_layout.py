@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ucm.integration.vllm.layout import LayoutError, build_layout, runs_of
-from ucm.integration.vllm.worker import HostStaging
+from ucm.integration.vllm.transfer import HostStaging
 
 NB, H, N, D = 8, 2, 32, 32
 

@@ -6,13 +6,16 @@ many KV slots each request gets; the **worker** instance (in the model-runner
 process) selects blocks, moves KV and runs the sparse attention. The two never
 share memory; what the worker needs from the scheduler (per-request step
 facts, the swap blocks of an offloaded request) travels with the connector
-metadata (:mod:`ucm.integration.vllm.sparse_bridge`).
+metadata (:mod:`ucm.integration.vllm.sparse`).
 
 Every hook has a pass-through default, so a method overrides only what it
-needs (the seed's extension example overrides ``build_sparse_meta``,
-``attention_begin`` and ``attention_finished``). Hooks run in this order (the
-"called from" column is the original UCM's; with the UCM connector the vLLM
-call sites are listed in :mod:`ucm.sparse.vllm_hooks`):
+needs (the original UCM's extension example overrides ``build_sparse_meta``,
+``attention_begin`` and ``attention_finished``). What a method needs from the
+engine beyond these hooks it declares as data, :attr:`UcmSparseBase.needs`
+(:class:`SparseNeeds`); the engine integration acts on that. Hooks run in
+this order (the "called from" column is the original UCM's; with the UCM
+connector the vLLM call sites are listed in
+:mod:`ucm.integration.vllm.sparse.hooks`):
 
 ======  =================================  =========  ==========================================
  #      hook                               role       called from
@@ -41,14 +44,62 @@ call sites are listed in :mod:`ucm.sparse.vllm_hooks`):
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 #: Returned by :meth:`UcmSparseBase.estimate_num_slots_sparsed`: the request is
 #: not sparsed this step, allocate its slots the dense way.
 INVALID_SLOT = -1
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
+
+
+def layer_index(layer_name: str) -> int:
+    """Decoder layer number in an attention layer name (``model.layers.3.self_attn.attn``)."""
+    m = _LAYER_RE.search(layer_name)
+    if m is None:
+        raise ValueError(f"cannot find the layer index in {layer_name!r}")
+    return int(m.group(1))
+
+
+@dataclass(frozen=True)
+class SparseNeeds:
+    """What a method needs from the engine beyond the hooks, declared on its
+    class (:attr:`UcmSparseBase.needs`). The engine integration acts on it;
+    a method that declares nothing gets the generic hooks: its own
+    ``attention_begin`` / ``sparse_attention`` / ``attention_finished`` see
+    every attention layer, and its ``allocate_slots`` replaces the dense
+    allocation whenever ``estimate_num_slots_sparsed`` gives a budget."""
+
+    offload: bool = False
+    """Unselected prompt blocks leave device KV after the prefill and the
+    selected ones are loaded back from the store (when the connector saves);
+    the method implements :class:`ucm.sparse.offload.OffloadSparseBase`
+    (representatives at the prefill's end, a selection per decode step)."""
+    key_codes: bool = False
+    """A code is kept for every cached key, written at every step, and the
+    blocks of a decode batch are selected from them (``write_key_codes``,
+    ``begin_step``, ``select``, as :class:`ucm.sparse.gsa.GSA`)."""
+    loads_before_forward: bool = False
+    """The step's loads from the store are all in place before the forward
+    (whole-step, even in layer-wise mode) when a request carries the
+    method's payload, and the method's engine part sees them first."""
+    row_cutting: bool = False
+    """The method drops query rows at some layers (``attention_begin`` before
+    the layer's KV write; ``layer_begin``, ``ffn_begin`` and
+    ``execute_finished`` shrink and restore the rows), as
+    :class:`ucm.sparse.blend.Blend`."""
+    chunk_reuse: bool = False
+    """Stored chunks are reused anywhere in the prompt, not only as its
+    prefix: the method plans each request and adds the chunks' loads."""
+    unrotated_keys: bool = False
+    """The method gets each layer's un-rotated keys and the query rotated to a
+    fixed position from the model's rotary embedding (``stash``), as
+    :class:`ucm.sparse.rerope.ReRoPE`."""
 
 
 class UcmSparseRole(enum.Enum):
@@ -128,6 +179,13 @@ class UcmSparseBase:
     """
 
     config_class: type | None = None
+    needs: ClassVar[SparseNeeds] = SparseNeeds()
+
+    @classmethod
+    def kv_namespace(cls, config: Any) -> str:
+        """Added to the block-id namespace by a method that changes the KV it
+        computes, so its blocks never mix with plain ones ("": it doesn't)."""
+        return ""
 
     def __init__(
         self,

@@ -10,11 +10,16 @@ Built-in names: ``ESA``, ``GSA`` (alias ``GSAOnDevice``) and ``KVStar`` (alias
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ucm.shared.config import ConfigError
+from ucm.shared.config import ConfigError, build_dataclass
 from ucm.sparse.base import UcmSparseBase, UcmSparseRole
+
+#: The connector config key that selects a method (``{NAME: {...}}``).
+SPARSE_CONFIG_KEY = "ucm_sparse_config"
 
 
 class UcmSparseFactory:
@@ -92,9 +97,28 @@ class UcmSparseFactory:
         ``config`` is the method's parsed config dataclass or its raw mapping
         (parsed here with the method's ``config_class``).
         """
-        from ucm.sparse.config import build_method_config
-
         method_cls = cls.get_class(name)
         if config is None or isinstance(config, dict):
             config = build_method_config(cls.canonical_name(name), config or {})
         return method_cls(vllm_config, role, config)
+
+
+def build_method_config(name: str, values: Mapping[str, Any]) -> Any:
+    """Parses one method's mapping with its ``config_class``; errors name the key."""
+    canonical = UcmSparseFactory.canonical_name(name)
+    source = f"{SPARSE_CONFIG_KEY}.{name}"
+    if values is None:
+        values = {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{source}: expected a mapping, got {type(values).__name__}")
+    config_cls = UcmSparseFactory.get_class(canonical).config_class
+    if config_cls is None:
+        return dict(values)
+    try:
+        return build_dataclass(config_cls, values, source)
+    except ConfigError as e:
+        msg = str(e)
+        key = msg.split(":", 1)[0].split("[", 1)[0]
+        if key in {f.name for f in dataclasses.fields(config_cls)} and f"({source})" not in msg:
+            raise ConfigError(f"{source}.{msg}") from None
+        raise

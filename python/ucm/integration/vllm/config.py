@@ -1,12 +1,12 @@
 """Configuration of the vLLM connector.
 
-Three sources, merged key by key with this priority (seed §6.2)::
+Three sources, merged key by key with this priority::
 
     environment (UCM_<KEY>)  >  kv_connector_extra_config  >  YAML file  >  defaults
 
 * ``kv_connector_extra_config`` is the inline dict of ``--kv-transfer-config``.
 * The YAML file is named by ``UCM_CONFIG_FILE`` (environment first, then the
-  inline key of that name). Its shape is the seed's::
+  inline key of that name). Its shape is the original UCM's::
 
       ucm_connectors:
         - ucm_connector_name: UcmPipelineStore
@@ -74,7 +74,7 @@ class UcmConnectorConfig:
     ucm_sparse_config: dict[str, Any] | None = None
     """Sparse attention: ``{METHOD: {...}}``, one of ESA, GSA, KVStar, Blend, ReRoPE or a
     registered method (see :mod:`ucm.sparse.config`).
-    Parsed and validated by :mod:`ucm.integration.vllm.sparse_bridge` when the connector starts."""
+    Parsed and validated by :mod:`ucm.integration.vllm.sparse.bridge` when the connector starts."""
     load_only_first_rank: bool = False
     """Accepted for compatibility; ignored (every rank loads its own heads)."""
     enable_event_sync: bool = True

@@ -44,7 +44,8 @@ class LayerRegions:
     base: np.ndarray  # uint64 [runs]
     block_stride: int
     run_bytes: int
-    tensor: Any = field(default=None, repr=False)
+    tensors: list[Any] = field(default_factory=list, repr=False)
+    """The layer's KV tensors (what its runs point into)."""
     block_dim: int = 0
     run_views: list[Any] = field(default_factory=list, repr=False)
     """Per run: a ``[num_blocks, run_bytes]`` uint8 view (for host staging)."""
@@ -211,7 +212,7 @@ def build_layout(
                 base=np.array(bases, dtype=np.uint64),
                 block_stride=strides[0],
                 run_bytes=run_bytes,
-                tensor=tensors[0],
+                tensors=tensors,
                 block_dim=bdim,
                 run_views=views,
             )

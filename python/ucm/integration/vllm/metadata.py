@@ -10,21 +10,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class ReqTransfer:
-    """One request's transfers in one step. Ids are the rank-0 store keys;
-    ``*_blocks`` are the vLLM block ids (same length)."""
+    """One request's transfers in one step: store block ``load_keys[i]`` is
+    loaded into vLLM block ``load_into[i]``, vLLM block ``save_from[i]`` is
+    saved as store block ``save_keys[i]``. Keys are the rank-0 store keys."""
 
     req_id: str
-    load_ids: list[bytes] = field(default_factory=list)
-    load_blocks: list[int] = field(default_factory=list)
-    save_ids: list[bytes] = field(default_factory=list)
-    save_blocks: list[int] = field(default_factory=list)
-    load_first: int = 0
-    """Block index in the request of ``load_blocks[0]`` (prefix loads are
-    consecutive): ReRoPE derives the loaded blocks' un-rotated keys from it."""
-    blend: Any = None
-    """Blend (``ucm_sparse_config: {Blend: ...}``): the request's
-    :class:`~ucm.sparse.blend.vllm_integration.BlendReqMeta` in the step that
-    loads its chunks (their ids and blocks are in ``load_*`` too)."""
+    load_keys: list[bytes] = field(default_factory=list)
+    load_into: list[int] = field(default_factory=list)
+    save_keys: list[bytes] = field(default_factory=list)
+    save_from: list[int] = field(default_factory=list)
+    sparse: Any = None
+    """The sparse method's payload for this request (opaque to the
+    connector; see :class:`~ucm.integration.vllm.scheduler.SchedulerExtension`)."""
 
 
 @dataclass
@@ -35,14 +32,16 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     requests: list[ReqTransfer] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_scheduled_tokens: int = 0
+    sparse: Any = None
+    """The sparse bridge's facts of this step (``ucm_sparse_config``)."""
 
     @property
     def has_loads(self) -> bool:
-        return any(r.load_ids for r in self.requests)
+        return any(r.load_keys for r in self.requests)
 
     @property
     def has_saves(self) -> bool:
-        return any(r.save_ids for r in self.requests)
+        return any(r.save_keys for r in self.requests)
 
 
 __all__ = ["ReqTransfer", "UCMConnectorMetadata"]

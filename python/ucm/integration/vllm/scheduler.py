@@ -96,10 +96,44 @@ def kv_geometry(vllm_config: Any, kv_cache_config: Any, cfg: ResolvedConfig) -> 
     )
 
 
+class SchedulerExtension:
+    """What a sparse method adds to the scheduler side's plan.
+
+    The sparse bridge installs one (:attr:`UCMSchedulerSide.extension`) for
+    a method that serves requests beyond prefix reuse or ships data with
+    their transfers; this base adds nothing.
+    """
+
+    def match(self, request: Any, computed_tokens: int, store: Any, namespace: str) -> int | None:
+        """Blocks at the start of the prompt to report as found (vLLM's and the
+        store's), when the method serves the rest itself; None: the prefix
+        lookup decides."""
+        return None
+
+    def after_alloc(self, request_id: str, num_external_tokens: int) -> bool:
+        """vLLM allocated the request's blocks; True: the method serves the
+        request itself and none of its blocks is saved."""
+        return False
+
+    def has_payload(self, request_id: str) -> bool:
+        """Whether the request needs a transfer this step even without loads or saves."""
+        return False
+
+    def extend_transfer(
+        self, transfer: ReqTransfer, load_start: int, vllm_blocks: list[int]
+    ) -> None:
+        """Adds the method's loads and its payload (``transfer.sparse``) to a
+        request's transfer; ``load_start`` is the request's block index of
+        the first prefix load."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished."""
+
+
 @dataclass
 class _ReqState:
     req_id: str
-    ids: list[bytes]
+    keys: list[bytes]  # store keys of the full blocks
     local_blocks: int
     ext_blocks: int
     save_limit: int  # blocks that may be saved (full blocks of the known tokens)
@@ -107,7 +141,6 @@ class _ReqState:
     save_extra: list[int] = field(default_factory=list)  # local blocks the store lacks
     pending_load: tuple[int, int] | None = None
     last_load: tuple[int, int] | None = None
-    blend: Any = None  # Blend: the BLEND plan (nothing of the request is saved)
 
 
 class UCMSchedulerSide:
@@ -147,29 +180,25 @@ class UCMSchedulerSide:
         self._reqs_with_saves: set[str] = set()
         self._kv_cache_manager: Any = None
         self._errors_reported = 0
+        self.extension = SchedulerExtension()
+        """Set by the sparse bridge (``ucm_sparse_config``)."""
+        self.kv_namespace = ""
+        """Added to every request's hash namespace by a sparse method that
+        changes the KV (set by the sparse bridge)."""
         # Open now, before any worker in this process writes: the Posix
         # store's start-up scan treats temporaries of its own PID as stale.
         self.store.get()
-        # --- Blend (ucm_sparse_config: {Blend: ...}): None otherwise.
-        from ucm.sparse.blend.vllm_integration import BlendScheduler, blend_config_from
-
-        bcfg = blend_config_from(c.ucm_sparse_config)
-        self._blend = BlendScheduler(vllm_config, bcfg) if bcfg is not None else None
-        # ReRoPE changes every layer's KV past the first: keep it apart from plain KV.
-        from ucm.sparse.rerope.vllm_patch import rerope_hash_salt
-
-        self._sparse_salt = rerope_hash_salt(c.ucm_sparse_config)
-        # --- end Blend
 
     # -- hashing & lookup ------------------------------------------------------
-    def _meta_for(self, request: Request) -> str | None:
-        """The hash meta of a request, or None when its KV can't be keyed by tokens."""
+    def hash_namespace(self, request: Request) -> str | None:
+        """What a request's block ids are chained under (model, deployment,
+        salts), or None when its KV can't be keyed by tokens."""
         if (
             getattr(request, "mm_features", None)
             or getattr(request, "prompt_embeds", None) is not None
         ):
             return None
-        meta = self.geom.meta + self._sparse_salt
+        meta = self.geom.meta + self.kv_namespace
         if self.cfg.connector.hash_salt:
             meta += f"|salt={self.cfg.connector.hash_salt}"
         lora = getattr(request, "lora_request", None)
@@ -180,12 +209,13 @@ class UCMSchedulerSide:
             meta += f"|cache_salt={salt}"
         return meta
 
-    def _ids(self, request: Request) -> list[bytes] | None:
+    def store_keys(self, request: Request) -> list[bytes] | None:
+        """The store keys (block ids) of the request's full blocks, or None."""
         n = request.num_tokens
         memo = self._hashes.get(request.request_id)
         if memo is not None and memo[0] == n:
             return memo[1]
-        meta = self._meta_for(request)
+        meta = self.hash_namespace(request)
         if meta is None:
             return None
         tokens = np.fromiter(request.all_token_ids, dtype=np.int64, count=n)
@@ -199,25 +229,22 @@ class UCMSchedulerSide:
         B = self.block_size
         local = num_computed_tokens // B
         self._lookups[request.request_id] = (local, 0)
-        ids = self._ids(request)
+        ids = self.store_keys(request)
         if not ids or local >= len(ids) or not self.load_enabled:
             return 0, False
         store = self.store.get()
         if store is None:
             return 0, False
-        if self._blend is not None:  # --- Blend: chunk lookup; a BLEND plan reports its prefix
-            meta = self._meta_for(request)
-            try:
-                plan = self._blend.lookup(
-                    request, local * B, store, meta or "", self.cfg.connector.hash_algo
-                )
-            except Exception as e:
-                self.store.report_failure(e, "lookup")
-                return 0, False
-            if plan is not None and meta is not None:
-                ext = plan.prefix_hit_blocks - local
-                self._lookups[request.request_id] = (local, ext)
-                return ext * B, False
+        namespace = self.hash_namespace(request)
+        try:
+            found = self.extension.match(request, local * B, store, namespace or "")
+        except Exception as e:
+            self.store.report_failure(e, "lookup")
+            return 0, False
+        if found is not None and namespace is not None:
+            ext = found - local
+            self._lookups[request.request_id] = (local, ext)
+            return ext * B, False
         try:
             ext = store.lookup_on_prefix(ids[local:]) + 1
         except Exception as e:
@@ -246,7 +273,7 @@ class UCMSchedulerSide:
     ) -> None:
         B = self.block_size
         req_id = request.request_id
-        ids = self._ids(request)
+        ids = self.store_keys(request)
         lookup = self._lookups.pop(req_id, None)
         if ids is None:
             return
@@ -257,7 +284,7 @@ class UCMSchedulerSide:
         ext_blocks = -(-num_external_tokens // B) if num_external_tokens > 0 else 0
         st = _ReqState(
             req_id=req_id,
-            ids=ids,
+            keys=ids,
             local_blocks=local_blocks,
             ext_blocks=ext_blocks,
             save_limit=len(ids) if self.save_enabled else 0,
@@ -282,16 +309,18 @@ class UCMSchedulerSide:
                     st.save_extra = [i for i, p in enumerate(present) if not p]
                 except Exception as e:
                     self.store.report_failure(e, "lookup")
-        if self._blend is not None:  # --- Blend: the plan's chunks load with the prefix
-            st.blend = self._blend.allocated(req_id, num_external_tokens)
-            if st.blend is not None:
-                st.save_limit, st.saved_upto, st.save_extra = 0, 0, []
+        if self.extension.after_alloc(req_id, num_external_tokens):
+            st.save_limit, st.saved_upto, st.save_extra = 0, 0, []
         self._reqs[req_id] = st
         looked = request.num_tokens - local_blocks * B
         if looked > 0:
             self.stats.add(lookup_tokens=looked, lookup_hit_tokens=num_external_tokens)
 
     # -- per-step plan -----------------------------------------------------------
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        """vLLM's ``KVCacheManager``: where the requests' block ids are read."""
+        self._kv_cache_manager = manager
+
     def _vllm_blocks(self, req_id: str, fallback: list[int] | None) -> list[int] | None:
         if self._kv_cache_manager is not None:
             try:
@@ -312,27 +341,26 @@ class UCMSchedulerSide:
         save_idx = list(st.save_extra)
         if upto > st.saved_upto:
             save_idx.extend(range(st.saved_upto, upto))
-        blend = self._blend.take(req_id) if self._blend is not None else None
-        if load is None and not save_idx and blend is None:
+        payload = self.extension.has_payload(req_id)
+        if load is None and not save_idx and not payload:
             return None
         vblocks = self._vllm_blocks(req_id, fallback)
         if vblocks is None:
             return None
         t = ReqTransfer(req_id=req_id)
+        load_start = 0
         if load is not None:
-            a, b = load
+            load_start, b = load
             b = min(b, len(vblocks))
-            t.load_ids = st.ids[a:b]
-            t.load_blocks = vblocks[a:b]
-            t.load_first = a
+            t.load_keys = st.keys[load_start:b]
+            t.load_into = vblocks[load_start:b]
             st.pending_load = None
-            st.last_load = (a, b)
-        if blend is not None and self._blend is not None:  # --- Blend: chunk loads + plan
-            self._blend.attach(t, blend, vblocks)
+            st.last_load = (load_start, b)
+        self.extension.extend_transfer(t, load_start, vblocks)
         save_idx = [i for i in save_idx if i < len(vblocks)]
         if save_idx:
-            t.save_ids = [st.ids[i] for i in save_idx]
-            t.save_blocks = [vblocks[i] for i in save_idx]
+            t.save_keys = [st.keys[i] for i in save_idx]
+            t.save_from = [vblocks[i] for i in save_idx]
             self._reqs_with_saves.add(req_id)
         st.save_extra = []
         st.saved_upto = max(st.saved_upto, upto)
@@ -400,8 +428,7 @@ class UCMSchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         req_id = request.request_id
-        if self._blend is not None:
-            self._blend.forget(req_id)
+        self.extension.forget(req_id)
         self._reqs.pop(req_id, None)
         self._hashes.pop(req_id, None)
         self._lookups.pop(req_id, None)
@@ -426,4 +453,4 @@ class UCMSchedulerSide:
         self.store.close()
 
 
-__all__ = ["KVGeometry", "UCMSchedulerSide", "kv_geometry"]
+__all__ = ["KVGeometry", "SchedulerExtension", "UCMSchedulerSide", "kv_geometry"]

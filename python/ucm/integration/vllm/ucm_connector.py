@@ -87,6 +87,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from ucm.integration.vllm.sparse.bridge import SparseSchedulerBridge, SparseWorkerBridge
     from ucm.integration.vllm.worker import UCMWorkerSide
 
 logger = get_logger(__name__)
@@ -137,8 +138,8 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker = UCMWorkerSide(
                 vllm_config, kv_cache_config, self.ucm_config, self.geometry
             )
-        # --- ucm.sparse (issue 6): None unless ucm_sparse_config names a method.
-        from ucm.integration.vllm.sparse_bridge import create_bridge
+        # The sparse method's bridge (ucm.sparse); None unless ucm_sparse_config names one.
+        from ucm.integration.vllm.sparse.bridge import create_bridge
 
         self._sparse = create_bridge(
             vllm_config,
@@ -146,7 +147,6 @@ class UCMConnector(KVConnectorBase_V1):
             self.ucm_config,
             self._scheduler if self._scheduler is not None else self._worker,
         )
-        # --- end ucm.sparse
         logger.info(
             "UCMConnector (%s): store %s %s, %s mode, block %d tokens, hash %s",
             role.name.lower(),
@@ -156,6 +156,11 @@ class UCMConnector(KVConnectorBase_V1):
             self.geometry.block_size,
             self.ucm_config.connector.hash_algo,
         )
+
+    @property
+    def sparse(self) -> SparseSchedulerBridge | SparseWorkerBridge | None:
+        """The bridge of the configured sparse method (``ucm_sparse_config``), or None."""
+        return self._sparse
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -247,7 +252,7 @@ class UCMConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
-            self._scheduler._kv_cache_manager = kv_cache_manager
+            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
         if self._sparse is not None:  # ucm.sparse: allocation hook
             self._sparse.bind_kv_cache_manager(kv_cache_manager)
 

@@ -15,15 +15,14 @@ Modes:
   ``save_kv_layer(l)`` submits layer l's saves right after its attention.
 
 Either way one store block holds one shard per layer, so the two modes read
-each other's blocks. Saves never block the forward pass: a reaper thread
-waits for them, and requests whose saves are in flight are reported through
-``get_finished`` only when they completed (vLLM keeps their blocks until then).
+each other's blocks. The steps of a transfer are :mod:`.transfer`'s; saves
+never block the forward pass and a request is reported finished only once
+they are done (:mod:`.saves`).
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import queue
 import threading
@@ -31,30 +30,25 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from ucm.integration.vllm.config import ResolvedConfig
 from ucm.integration.vllm.layout import KVLayout, build_layout
-from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.saves import SaveJob, SaveTracker
 from ucm.integration.vllm.scheduler import KVGeometry
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
 from ucm.integration.vllm.store_handle import StoreHandle, build_store_config, is_block_level
+from ucm.integration.vllm.transfer import (
+    HostStaging,
+    KVTransfer,
+    PendingLoad,
+    StoreUnusable,
+    rank_keys,
+)
 from ucm.shared.logging import get_logger
 
-if TYPE_CHECKING:
-    from ucm.store import Task, UcmKVStoreBase
-
 logger = get_logger(__name__)
-
-
-def rank_keys(ids: list[bytes], rank: int) -> list[bytes]:
-    """Store keys of TP rank ``rank`` (rank 0 uses the scheduler's ids as is)."""
-    if rank == 0:
-        return ids
-    salt = b"ucm-tp-rank:" + rank.to_bytes(4, "little")
-    return [hashlib.blake2b(i + salt, digest_size=16).digest() for i in ids]
 
 
 def _layer_index(name: str) -> int:
@@ -69,102 +63,37 @@ def _layer_index(name: str) -> int:
         return digits[0]
 
 
-class StoreUnusable(Exception):
-    """The store was unusable when a transfer was due."""
-
-
-class HostStaging:
-    """Moves blocks between a device KV cache and host buffers (GPU builds).
-
-    The copies are issued on the current (compute) stream, so they are
-    ordered after the attention that wrote the KV (saves) and before the
-    attention that reads it (loads) without extra synchronization.
-    """
-
-    def __init__(self, layout: KVLayout, event_sync: bool) -> None:
-        import torch
-
-        self.layout = layout
-        self.device = layout.layers[0].tensor.device
-        self.is_cuda = self.device.type == "cuda"
-        self.pin = self.is_cuda and torch.cuda.is_available()
-        self.event_sync = event_sync
-
-    def alloc(self, n_layers: int, n_blocks: int) -> tuple[Any, np.ndarray]:
-        """A ``[n_layers, n_blocks, runs, run_bytes]`` host buffer and its run addresses."""
-        import torch
-
-        lay = self.layout
-        buf = torch.empty(
-            (n_layers, n_blocks, lay.runs, lay.run_bytes), dtype=torch.uint8, pin_memory=self.pin
-        )
-        base = np.uint64(buf.data_ptr())
-        k = np.arange(n_layers * n_blocks * lay.runs, dtype=np.uint64).reshape(-1, lay.runs)
-        return buf, base + k * np.uint64(lay.run_bytes)
-
-    def gather(self, layer_pos: list[int], blocks: list[int]) -> tuple[Any, np.ndarray, Any]:
-        """Copies ``blocks`` of these layers to a new host buffer; returns it,
-        its addresses and an event to wait on before reading it (or None)."""
-        import torch
-
-        buf, addrs = self.alloc(len(layer_pos), len(blocks))
-        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
-        for li, pos in enumerate(layer_pos):
-            for r, view in enumerate(self.layout.layers[pos].run_views):
-                buf[li, :, r].copy_(view.index_select(0, idx), non_blocking=self.pin)
-        event = None
-        if self.is_cuda:
-            if self.event_sync:
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                torch.cuda.synchronize(self.device)
-        return buf, addrs, event
-
-    def scatter(self, buf: Any, layer_pos: list[int], blocks: list[int]) -> None:
-        """Copies a host buffer filled by a load into the KV cache."""
-        import torch
-
-        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
-        for li, pos in enumerate(layer_pos):
-            for r, view in enumerate(self.layout.layers[pos].run_views):
-                src = buf[li, :, r]
-                if self.is_cuda:
-                    src = src.to(self.device, non_blocking=self.pin)
-                view.index_copy_(0, idx, src)
-
-
 @dataclass
 class _Load:
-    """One submitted load: a request's blocks for some layers."""
+    """One request's load for some layers."""
 
-    task: Task | None
-    store: UcmKVStoreBase | None
     req_idx: int
-    layer_pos: list[int]
-    blocks: slice = field(default_factory=lambda: slice(None))  # which of the request's blocks
-    host: Any = None  # staging buffer
-    error: BaseException | None = None
+    part: slice  # which of the request's blocks
+    pending: PendingLoad
     done: threading.Event = field(default_factory=threading.Event)
     t0: float = 0.0
 
 
-@dataclass
-class _Save:
-    """One save task: a request's blocks for some layers."""
+class LoadObserver:
+    """A sparse method that rewrites KV loaded from the store (set by the
+    sparse bridge as :attr:`UCMWorkerSide.load_observer`); this base does
+    nothing."""
 
-    task: Task | None
-    store: UcmKVStoreBase
-    req_id: str
-    blocks: int  # vLLM blocks completed by this task (0 for non-final layers)
-    nbytes: int
-    t0: float
-    ids: list[bytes] = field(default_factory=list)
-    shard_idx: Any = None
-    addrs: Any = None
-    keepalive: Any = None  # staging buffer
-    event: Any = None  # device event the copy into the staging buffer records
-    error: BaseException | None = None
+    def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
+        """A step's metadata is bound, its loads not started; True: they must
+        all be in place before the forward (whole-step, started at once)."""
+        return False
+
+    def blocks_loaded(self, transfers: list[ReqTransfer], failed: set[str]) -> None:
+        """The whole-step loads of ``transfers`` are in the KV cache (not those
+        of the requests in ``failed``; vLLM recomputes their blocks)."""
+
+
+class LoadsBeforeForward(LoadObserver):
+    """Every step's loads land before the forward (the method's hooks read them)."""
+
+    def prepare_loads(self, meta: UCMConnectorMetadata) -> bool:
+        return any(t.load_keys for t in meta.requests)
 
 
 class UCMWorkerSide:
@@ -195,9 +124,8 @@ class UCMWorkerSide:
         self.is_writer = not geom.is_mla or self.tp_rank == 0
         self.layout: KVLayout | None = None
         self.store: StoreHandle | None = None
-        self.staging: HostStaging | None = None
+        self.transfer: KVTransfer | None = None
         self.stats = StatsCollector()
-        self._layer_pos: dict[str, int] = {}
         self._meta: UCMConnectorMetadata | None = None
         # Load state of the current step.
         self._load_reqs: list[tuple[str, list[bytes], list[int]]] = []
@@ -209,33 +137,18 @@ class UCMWorkerSide:
         self._load_failed_reqs: set[int] = set()
         # Save state.
         self._save_plan: list[tuple[str, list[bytes], list[int]]] = []
-        self._cv = threading.Condition()
-        self._pending: dict[str, int] = defaultdict(int)
-        self._save_reqs: set[str] = set()
-        self._finishing: set[str] = set()
-        self._inflight = 0
+        self.saves = SaveTracker(self._save_done)
+        self._io_lock = threading.Lock()
         self._io_inflight: dict[str, int] = {"load": 0, "save": 0}
         self._io_since: dict[str, float] = {"load": 0.0, "save": 0.0}
         self._load_q: queue.Queue[_Load | None] = queue.Queue()
         self._load_waiter: threading.Thread | None = None
-        self._reap_q: queue.Queue[_Save | None] = queue.Queue()
-        self._reaper: threading.Thread | None = None
-        self._stage_q: queue.Queue[_Save | None] = queue.Queue()
-        self._stager: threading.Thread | None = None
         self._closed = False
         self._errors_reported = 0
         self._step_t0 = 0.0
-        # --- Blend / ReRoPE (ucm_sparse_config): None unless configured.
-        from ucm.sparse.config import parse_sparse_config
-
-        self._sparse_spec = parse_sparse_config(cfg.connector.ucm_sparse_config)
-        self._blend: Any = None
-        self._rerope: Any = None
-        if self._sparse_spec is not None and self._sparse_spec.name == "Blend":
-            from ucm.sparse.blend.vllm_integration import BlendWorker
-
-            self._blend = BlendWorker(vllm_config, self._sparse_spec.config)
-        # --- end Blend / ReRoPE
+        self.load_observer = LoadObserver()
+        """Set by the sparse bridge for a method that rewrites loaded KV."""
+        self._loads_first = False  # this step's loads all land before the forward
 
     # -- registration ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -253,9 +166,10 @@ class UCMWorkerSide:
                 f"per layer, but the KV cache spec says {self.geom.shard_bytes} bytes"
             )
         self.layout = lay
-        self._layer_pos = lay.layer_by_name()
+        staging = None
         if lay.device_type != "cpu" or c.force_host_staging:
-            self.staging = HostStaging(lay, c.enable_event_sync)
+            staging = HostStaging(lay, c.enable_event_sync)
+        self.transfer = KVTransfer(lay, staging)
         store_cfg = build_store_config(
             self.cfg.store,
             {
@@ -275,20 +189,12 @@ class UCMWorkerSide:
             create_dirs=True,
         )
         self.store.get()  # open now (failures are retried later)
-        self._reaper = threading.Thread(target=self._reap_loop, name="ucm-save-reaper", daemon=True)
-        self._reaper.start()
         self._load_waiter = threading.Thread(
             target=self._load_wait_loop, name="ucm-load-waiter", daemon=True
         )
         self._load_waiter.start()
         ref = weakref.ref(self)
         atexit.register(lambda: (w := ref()) is not None and w.shutdown())
-        if self._blend is not None:  # --- Blend: model patches, rotary table
-            self._blend.register_kv_caches(kv_caches)
-        if self._sparse_spec is not None and self._sparse_spec.name == "ReRoPE":
-            from ucm.sparse.rerope.vllm_patch import install_rerope_from_connector
-
-            self._rerope = install_rerope_from_connector(self.vllm_config, self._sparse_spec.config)
         logger.info(
             "UCM worker rank %d: %d layers, %d run(s) of %d bytes per block per layer, "
             "%s mode, store %s %s",
@@ -307,23 +213,21 @@ class UCMWorkerSide:
         self._save_plan = []
         self._load_reqs = []
         for t in meta.requests:
-            if t.save_ids:
-                with self._cv:
-                    self._save_reqs.add(t.req_id)
+            if t.save_keys:
+                self.saves.expect(t.req_id)
                 self._save_plan.append(
-                    (t.req_id, rank_keys(t.save_ids, self.key_rank), t.save_blocks)
+                    (t.req_id, rank_keys(t.save_keys, self.key_rank), t.save_from)
                 )
-            if t.load_ids:
+            if t.load_keys:
                 self._load_reqs.append(
-                    (t.req_id, rank_keys(t.load_ids, self.key_rank), t.load_blocks)
+                    (t.req_id, rank_keys(t.load_keys, self.key_rank), t.load_into)
                 )
-        if self._blend is not None:  # --- Blend: the step's blended requests
-            self._blend.bind(meta.requests)
-            if self._blend.has_requests:
-                # vLLM calls start_load_kv after the forward when no request
-                # reports external tokens (a blend whose prefix is all in
-                # vLLM's prefix cache): the chunks must be in place before it.
-                self.start_load_kv()
+        self._loads_first = self.load_observer.prepare_loads(meta)
+        if self._loads_first:
+            # vLLM calls start_load_kv after the forward when no request
+            # reports external tokens (e.g. a Blend request whose prefix is
+            # all in vLLM's prefix cache): load now, before the forward.
+            self.start_load_kv()
 
     def clear(self) -> None:
         self._meta = None
@@ -337,11 +241,10 @@ class UCMWorkerSide:
         if not self._load_reqs or self.layout is None:
             return
         self._step_t0 = time.perf_counter()
-        # Blend: chunk KV must be in place before the first layer writes
-        # (vLLM waits for a layer's load only after its KV write); ReRoPE
-        # derives K2 of the loaded blocks: whole-step.
-        blend = self._blend is not None and self._blend.has_requests
-        if self.layerwise and not blend and self._rerope is None:
+        # A method that rewrites loaded KV needs all of it in place before the
+        # first layer writes (vLLM waits for a layer's load only after that
+        # layer's KV write): whole-step.
+        if self.layerwise and not self._loads_first:
             self._load_next = 0
             if self.cfg.connector.prefetch and self.store is not None:
                 # Whole block files start streaming in while the first layers load.
@@ -368,15 +271,10 @@ class UCMWorkerSide:
         else:
             self._submit_loads(list(range(len(self.layout.layers))), key=-1)
             self._wait_loads(-1)
-            failed = {self._load_reqs[i][0] for i in self._load_failed_reqs}
-            if blend:  # --- Blend: delta-RoPE on the loaded chunk keys
-                self._blend.after_loads(failed)
-            if self._rerope is not None and self._meta is not None:  # --- ReRoPE: K2 of loads
-                # (blocks that failed are recomputed by vLLM, K2 included)
-                self._rerope.rebuild_loaded(
-                    [(t.load_blocks, t.load_first) for t in self._meta.requests if t.load_ids],
-                    self.geom.block_size,
-                )
+            if self._meta is not None:
+                failed = {self._load_reqs[i][0] for i in self._load_failed_reqs}
+                loaded = [t for t in self._meta.requests if t.load_keys]
+                self.load_observer.blocks_loaded(loaded, failed)
             self._finish_load_step()
 
     def _submit_load_layer(self) -> None:
@@ -388,7 +286,7 @@ class UCMWorkerSide:
         self._submit_loads([pos], key=pos)
 
     def _submit_loads(self, layer_pos: list[int], key: int) -> None:
-        assert self.layout is not None and self.store is not None
+        assert self.transfer is not None and self.store is not None
         store = self.store.get()
         part = self._load_part
         for ri, (_req_id, all_ids, all_blocks) in enumerate(self._load_reqs):
@@ -400,60 +298,27 @@ class UCMWorkerSide:
             ids, blocks = all_ids[part], all_blocks[part]
             if not ids:
                 continue
-            ld = _Load(task=None, store=store, req_idx=ri, layer_pos=layer_pos, blocks=part)
+            if store is not None:
+                self._io_begin("load")
+            t0 = time.perf_counter()
+            ld = _Load(ri, part, self.transfer.load(store, layer_pos, ids, blocks), t0=t0)
             self._loads_by_layer[key].append(ld)
             self._loads_pending += 1
-            if store is None:
-                ld.error = StoreUnusable("the store is unusable")
-                ld.done.set()
+            if ld.pending.error is None:
+                self._load_q.put(ld)
                 continue
-            try:
-                host_addrs = None
-                if self.staging is not None:
-                    ld.host, host_addrs = self.staging.alloc(len(layer_pos), len(ids))
-                rep_ids, shard_idx, addrs = self._shard_plan(layer_pos, ids, blocks, host_addrs)
-                self._io_begin("load")
-                ld.t0 = time.perf_counter()
-                ld.task = store.load_data(rep_ids, shard_idx, addrs)
-            except Exception as e:
+            if store is not None:
                 self._io_end("load")
-                ld.error = e
-                ld.done.set()
-                continue
-            self._load_q.put(ld)
-
-    def _shard_plan(
-        self,
-        layer_pos: list[int],
-        ids: list[bytes],
-        blocks: list[int],
-        host_addrs: np.ndarray | None = None,
-    ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        """Ids, shard indices and addresses of these blocks' shards for these
-        layers, block-major (a block's shards are adjacent in its file, so
-        multi-layer transfers read and write each file front to back).
-        ``host_addrs`` (staging) are in the buffer's layer-major order."""
-        assert self.layout is not None
-        n, nl = len(ids), len(layer_pos)
-        lay = self.layout
-        shard_idx = np.tile(np.array([lay.layers[p].shard_index for p in layer_pos], np.int64), n)
-        if host_addrs is not None:
-            per_layer = host_addrs.reshape(nl, n, lay.runs)
-        else:
-            vb = np.asarray(blocks, dtype=np.int64)
-            per_layer = np.stack([lay.layers[p].addrs(vb) for p in layer_pos])
-        addrs = np.ascontiguousarray(per_layer.transpose(1, 0, 2).reshape(n * nl, lay.runs))
-        return [i for i in ids for _ in range(nl)], shard_idx, addrs
+            ld.done.set()
 
     def _wait_loads(self, key: int) -> None:
+        assert self.transfer is not None
         loads = self._loads_by_layer.pop(key, [])
         for ld in loads:
             self._loads_pending -= 1
             ld.done.wait()
-            if ld.error is None:
-                if self.staging is not None:
-                    _, _, blocks = self._load_reqs[ld.req_idx]
-                    self.staging.scatter(ld.host, ld.layer_pos, blocks[ld.blocks])
+            if ld.pending.error is None:
+                self.transfer.finish_load(ld.pending)
                 continue
             self._load_failed(ld)
 
@@ -462,18 +327,13 @@ class UCMWorkerSide:
             ld = self._load_q.get()
             if ld is None:
                 return
-            try:
-                assert ld.store is not None and ld.task is not None
-                ld.store.wait(ld.task)
-            except Exception as e:
-                ld.error = e
-            if ld.error is None:
+            if ld.pending.wait() is None:
                 self.stats.add(load_durations_ms=[(time.perf_counter() - ld.t0) * 1e3])
             self._io_end("load")
             ld.done.set()
 
     def _io_begin(self, kind: str) -> None:
-        with self._cv:
+        with self._io_lock:
             if self._io_inflight[kind] == 0:
                 self._io_since[kind] = time.perf_counter()
             self._io_inflight[kind] += 1
@@ -481,7 +341,7 @@ class UCMWorkerSide:
     def _io_end(self, kind: str) -> None:
         """One transfer finished; while none is in flight the clock stops (GB/s
         are bytes over the time transfers were in flight)."""
-        with self._cv:
+        with self._io_lock:
             self._io_inflight[kind] -= 1
             if self._io_inflight[kind] == 0:
                 busy = (time.perf_counter() - self._io_since[kind]) * 1e3
@@ -492,13 +352,13 @@ class UCMWorkerSide:
         req_id, ids, blocks = self._load_reqs[ld.req_idx]
         first = ld.req_idx not in self._load_failed_reqs
         self._load_failed_reqs.add(ld.req_idx)
-        err = ld.error
+        err = ld.pending.error
         assert err is not None
         bad = list(range(len(ids)))
-        if is_block_level(err) and ld.store is not None:
+        if is_block_level(err) and ld.pending.store is not None:
             # Corrupt blocks are removed by the store: find which are gone.
             try:
-                present = ld.store.lookup(ids)
+                present = ld.pending.store.lookup(ids)
                 missing = [i for i, p in enumerate(present) if not p]
                 if missing:
                     bad = list(range(missing[0], len(ids)))
@@ -527,16 +387,18 @@ class UCMWorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self.layerwise or not self._loads_pending:
             return
-        pos = self._layer_pos.get(layer_name)
+        assert self.transfer is not None
+        pos = self.transfer.layer_position(layer_name)
         if pos is None:
             return
+        n_layers = self.transfer.num_layers
         # Wait for this layer (and any earlier one still pending), then keep
         # `lookahead` layers in flight.
         for key in sorted(k for k in self._loads_by_layer if k <= pos):
             self._wait_loads(key)
-        while self._load_next <= pos + self.lookahead and self._load_next < len(self._layer_pos):
+        while self._load_next <= pos + self.lookahead and self._load_next < n_layers:
             self._submit_load_layer()
-        if not self._loads_pending and self._load_next >= len(self._layer_pos):
+        if not self._loads_pending and self._load_next >= n_layers:
             self._finish_load_step()
 
     def _drain_loads(self) -> None:
@@ -577,12 +439,12 @@ class UCMWorkerSide:
 
     # -- saves -------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str) -> None:
-        if not self.layerwise or not self._save_plan:
+        if not self.layerwise or not self._save_plan or self.transfer is None:
             return
-        pos = self._layer_pos.get(layer_name)
+        pos = self.transfer.layer_position(layer_name)
         if pos is None:
             return
-        last = pos == len(self._layer_pos) - 1
+        last = pos == self.transfer.num_layers - 1
         self._submit_saves([pos], final=last)
 
     def wait_for_save(self) -> None:
@@ -595,7 +457,7 @@ class UCMWorkerSide:
         self._submit_saves(list(range(len(self.layout.layers))), final=True)
 
     def _submit_saves(self, layer_pos: list[int], final: bool) -> None:
-        assert self.layout is not None and self.store is not None
+        assert self.transfer is not None and self.layout is not None and self.store is not None
         if not self.is_writer:
             return
         store = self.store.get()
@@ -603,140 +465,47 @@ class UCMWorkerSide:
             if final:
                 self.stats.add(save_skipped_blocks=sum(len(p[1]) for p in self._save_plan))
             return
-        lay = self.layout
         for req_id, ids, blocks in self._save_plan:
             n = len(ids)
-            job = _Save(
-                task=None,
-                store=store,
+            t0 = time.perf_counter()
+            self._io_begin("save")
+            job = SaveJob(
                 req_id=req_id,
                 blocks=n if final else 0,
-                nbytes=n * len(layer_pos) * lay.shard_bytes,
-                t0=time.perf_counter(),
+                nbytes=n * len(layer_pos) * self.layout.shard_bytes,
+                t0=t0,
+                pending=self.transfer.save(store, layer_pos, ids, blocks),
             )
-            with self._cv:
-                self._pending[req_id] += 1
-                self._inflight += 1
-            self._io_begin("save")
-            try:
-                host_addrs = None
-                if self.staging is not None:
-                    job.keepalive, host_addrs, job.event = self.staging.gather(layer_pos, blocks)
-                job.ids, job.shard_idx, job.addrs = self._shard_plan(
-                    layer_pos, ids, blocks, host_addrs
-                )
-            except Exception as e:
-                job.error = e
-            if job.event is not None:
-                self._ensure_stager()
-                self._stage_q.put(job)  # submitted once the device copy is done
-            else:
-                self._submit_dump(job)
-                self._reap_q.put(job)
-
-    @staticmethod
-    def _submit_dump(job: _Save) -> None:
-        if job.error is not None:
-            return
-        try:
-            job.task = job.store.dump_data(job.ids, job.shard_idx, job.addrs)
-        except Exception as e:
-            job.error = e
-
-    def _ensure_stager(self) -> None:
-        if self._stager is None:
-            self._stager = threading.Thread(
-                target=self._stage_loop, name="ucm-save-stager", daemon=True
-            )
-            self._stager.start()
-
-    def _stage_loop(self) -> None:
-        while True:
-            job = self._stage_q.get()
-            if job is None:
-                return
-            try:
-                job.event.synchronize()
-            except Exception as e:  # pragma: no cover - device failure
-                job.error = e
-            job.event = None
-            self._submit_dump(job)
-            self._reap_q.put(job)
+            self.saves.add(job)
 
     def _save_failed(self, err: BaseException, blocks: int) -> None:
         self.stats.add(save_failed_blocks=blocks)
         if self.store is not None and not is_block_level(err):
             self.store.report_failure(err, "save")
 
-    def _reap_loop(self) -> None:
-        while True:
-            item = self._reap_q.get()
-            if item is None:
-                return
-            err = item.error
-            if err is None and item.task is not None:
-                try:
-                    item.store.wait(item.task)
-                except Exception as e:
-                    err = e
-            now = time.perf_counter()
-            ms = (now - item.t0) * 1e3
-            if err is None:
-                self.stats.add(
-                    save_blocks=item.blocks, save_bytes=item.nbytes, save_durations_ms=[ms]
-                )
-                if self.store is not None:
-                    self.store.report_success()
-            else:
-                self._save_failed(err, item.blocks)
-            item.keepalive = None
-            item.addrs = None
-            self._io_end("save")
-            with self._cv:
-                self._pending[item.req_id] -= 1
-                self._inflight -= 1
-                self._cv.notify_all()
+    def _save_done(self, job: SaveJob, err: BaseException | None) -> None:
+        ms = (time.perf_counter() - job.t0) * 1e3
+        if err is None:
+            self.stats.add(save_blocks=job.blocks, save_bytes=job.nbytes, save_durations_ms=[ms])
+            if self.store is not None:
+                self.store.report_success()
+        else:
+            self._save_failed(err, job.blocks)
+        self._io_end("save")
 
-    def _wait_saves(self, req_ids: set[str] | None, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                busy = (
-                    self._inflight > 0
-                    if req_ids is None
-                    else any(self._pending.get(r, 0) > 0 for r in req_ids)
-                )
-                if not busy:
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
+    def wait_for_saves(self, req_ids: set[str] | None, timeout: float) -> bool:
+        """Waits until the saves of these requests (None: all) are done; False on timeout."""
+        return self.saves.wait(req_ids, timeout)
 
     def handle_preemptions(self, meta: UCMConnectorMetadata) -> None:
         # vLLM may hand a preempted request's blocks to another request in this
         # very step: its saves must have read them first.
         if meta.preempted_req_ids:
-            self._wait_saves(set(meta.preempted_req_ids), timeout=300)
+            self.wait_for_saves(set(meta.preempted_req_ids), timeout=300)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         idle = self._meta is not None and self._meta.num_scheduled_tokens == 0
-        with self._cv:
-            for r in finished_req_ids:
-                if r in self._save_reqs:
-                    self._finishing.add(r)
-            if not self._finishing:
-                return None, None
-            done = {r for r in self._finishing if self._pending.get(r, 0) <= 0}
-            if not done and idle:
-                # Nothing else to do this step: wait a little rather than spin.
-                self._cv.wait(0.005)
-                done = {r for r in self._finishing if self._pending.get(r, 0) <= 0}
-            for r in done:
-                self._finishing.discard(r)
-                self._save_reqs.discard(r)
-                self._pending.pop(r, None)
-        return (done or None), None
+        return self.saves.finished(finished_req_ids, idle), None
 
     # -- stats & shutdown ------------------------------------------------------
     def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
@@ -752,22 +521,13 @@ class UCMWorkerSide:
         if self._closed:
             return
         self._closed = True
-        if self._blend is not None:
-            self._blend.uninstall()
-        if self._rerope is not None:
-            self._rerope.uninstall()
-        if not self._wait_saves(None, timeout=120):
+        if not self.wait_for_saves(None, timeout=120):
             logger.warning("UCM: saves still in flight at shutdown; closing anyway")
-        if self._stager is not None:
-            self._stage_q.put(None)
-            self._stager.join(timeout=5)
+        self.saves.close()
         if self._load_waiter is not None:
             self._load_q.put(None)
-        if self._reaper is not None:
-            self._reap_q.put(None)
-            self._reaper.join(timeout=5)
         if self.store is not None:
             self.store.close()
 
 
-__all__ = ["HostStaging", "UCMWorkerSide", "rank_keys"]
+__all__ = ["LoadObserver", "LoadsBeforeForward", "UCMWorkerSide"]

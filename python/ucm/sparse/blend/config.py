@@ -1,6 +1,6 @@
 """``ucm_sparse_config: {Blend: {...}}``: the CacheBlend parameters.
 
-Every error names its key; :func:`ucm.sparse.config.build_method_config`
+Every error names its key; :func:`ucm.sparse.factory.build_method_config`
 prefixes it with ``ucm_sparse_config.Blend.``. Defaults: the CacheBlend
 paper's recompute ratio (15 %), the original UCM example's check layer
 (``model.layers.1``) and its hard-coded minimum of 16 chunk-block hits.

@@ -11,35 +11,24 @@ for the surviving rows with their true positions
 (built from the plans by :func:`build_step`).
 
 The same hooks drive the torch reference stack
-(:mod:`ucm.sparse.blend.refmodel`) and vLLM
-(:mod:`ucm.sparse.blend.vllm_integration`, see :mod:`ucm.sparse.blend`).
+(:mod:`ucm.testing.refmodel`) and vLLM
+(:mod:`ucm.integration.vllm.sparse.blend`, see :mod:`ucm.sparse.blend`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ucm.sparse.base import UcmSparseBase, UcmSparseRole
-from ucm.sparse.blend import ops
+from ucm.sparse.base import SparseNeeds, UcmSparseBase, UcmSparseRole, layer_index
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, BlockLookup, plan_request
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.select import BlendRequestRows, BlendStep
-from ucm.sparse.ops import Impl
-from ucm.sparse.rerope import ops as attn_ops
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def layer_index(layer_name: str) -> int:
-    """Decoder layer number of a vLLM attention layer name (``model.layers.3.self_attn.attn``)."""
-    m = _LAYER_RE.search(layer_name)
-    if m is None:
-        raise ValueError(f"cannot find the layer number in {layer_name!r}")
-    return int(m.group(1))
+from ucm.sparse.kernels import attention, keys
+from ucm.sparse.kernels.dispatch import Impl
+from ucm.sparse.kernels.views import kv_views
 
 
 def build_step(
@@ -81,6 +70,7 @@ class Blend(UcmSparseBase):
     """CacheBlend: reuse chunk KV anywhere in the prompt, recompute the deviating tokens."""
 
     config_class = BlendConfig
+    needs = SparseNeeds(loads_before_forward=True, row_cutting=True, chunk_reuse=True)
 
     def __init__(
         self, vllm_config: Any, role: UcmSparseRole, config: BlendConfig | None = None
@@ -127,7 +117,7 @@ class Blend(UcmSparseBase):
 
     def initialize_kv_cache_tensors(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for name, kv in kv_caches.items():
-            self._k_views[name], self._v_views[name] = attn_ops.kv_views(kv)
+            self._k_views[name], self._v_views[name] = kv_views(kv)
 
     def set_rotary(self, cos_sin_cache: torch.Tensor, is_neox: bool = True) -> None:
         """The model's rotary table (vLLM: ``rotary_emb.cos_sin_cache``) and pairing."""
@@ -141,7 +131,7 @@ class Blend(UcmSparseBase):
         ``wait_for_layer_load``). Blocks with delta 0 may be left out."""
         if self.cos_sin_cache is None:
             raise RuntimeError("Blend.set_rotary was not called")
-        ops.delta_rope(
+        keys.delta_rope(
             self._k_views[layer_name],
             block_ids,
             deltas,
@@ -185,7 +175,7 @@ class Blend(UcmSparseBase):
         k_view = self._k_views[layer_name]
         slots = step.slots[step.active].to(key.device)
         has_cached = step.reused[step.active].to(key.device)
-        dev = ops.kv_deviation(k_view, torch.where(has_cached, slots, -1), key, impl=self.impl)
+        dev = keys.kv_deviation(k_view, torch.where(has_cached, slots, -1), key, impl=self.impl)
         local = step.select(layer_index(layer_name), dev.cpu(), share).to(query.device)
         query, key, value = query[local], key[local], value[local]
         if output is not None:
@@ -221,8 +211,8 @@ class Blend(UcmSparseBase):
         step = self.step
         if step is None or not step.shrunk:
             return False
-        k_view, v_view = attn_ops.kv_views(kv_cache)
-        attn_ops.paged_attention(
+        k_view, v_view = kv_views(kv_cache)
+        attention.paged_attention(
             query,
             k_view,
             v_view,

@@ -3,7 +3,7 @@
 At a check layer every recomputed row has a *fresh* key; the rows whose KV
 was loaded from a chunk cache also have the *loaded* key (delta-RoPE moved,
 still in the paged cache because this layer's write has not happened). The
-L1 distance between the two (:func:`ucm.sparse.blend.ops.kv_deviation`)
+L1 distance between the two (:func:`ucm.sparse.kernels.keys.kv_deviation`)
 measures how much the chunk's neighbours changed the token: CacheBlend
 recomputes the top share of reused tokens by that distance and keeps the
 loaded KV of all others.

@@ -12,24 +12,22 @@ Modules:
 
 * :mod:`~ucm.sparse.rerope.config` -- :class:`ReRoPEConfig`
   (``rerope_window``, ``training_length``, ``log_n_scaling``, ``always_on``);
-* :mod:`~ucm.sparse.rerope.rope` -- RoPE in vLLM's conventions
-  (``cos_sin_cache``, NeoX/GPT-J, partial rotary);
-* :mod:`~ucm.sparse.rerope.reference` -- the definition (relative form), the
-  two-score paged reference, :func:`rerope_prepare`;
-* :mod:`~ucm.sparse.rerope.kernels` / :mod:`~ucm.sparse.rerope.launchers` --
-  Triton prefill (tiled online softmax; S1, S2 or both per tile by the
-  tile's distance range) and decode (split-K over paged blocks) kernels;
-  ``REROPE=False`` gives position-causal attention (Blend uses it);
-* :mod:`~ucm.sparse.rerope.ops` -- dispatch (Triton / torch);
+* :mod:`~ucm.sparse.rerope.reference` -- the definition (relative form) and
+  :func:`rerope_prepare`;
 * :mod:`~ucm.sparse.rerope.method` -- :class:`ReRoPE` (K2 cache, hooks);
-* :mod:`~ucm.sparse.rerope.vllm_patch` -- the vLLM 0.32 integration:
+* the vLLM 0.32 integration is :mod:`ucm.integration.vllm.sparse.rerope`:
   by hand (``install_rerope``) or through the UCM connector config
   (``ucm_sparse_config: {ReRoPE: {rerope_window, training_length}}``, with
   ``enforce_eager=True`` and ``hf_overrides`` raising
-  ``max_position_embeddings``). Through the connector, block ids are salted
-  with the ReRoPE parameters (ReRoPE KV never mixes with plain-RoPE KV) and
-  K2 of blocks loaded from the store is derived from their K
-  (:meth:`ReRoPE.rebuild_k2`); loads are whole-step.
+  ``max_position_embeddings``). Through the connector, block ids are in the
+  ReRoPE parameters' namespace (:meth:`ReRoPE.kv_namespace`: ReRoPE KV
+  never mixes with plain-RoPE KV) and K2 of blocks loaded from the store is
+  derived from their K (:meth:`ReRoPE.rebuild_k2`); loads are whole-step.
+
+The kernels are shared (:mod:`ucm.sparse.kernels`): the paged attention of
+:mod:`ucm.sparse.kernels.attention` (Triton prefill with S1, S2 or both per
+tile by the tile's distance range, split-K decode) with a ``window``, RoPE
+in vLLM's conventions in :mod:`ucm.sparse.kernels.rope`.
 
 KV storage and its cost
 =======================
@@ -56,15 +54,16 @@ connector's layout would save and load them instead, at +50 % store bytes.)
 vLLM integration
 ================
 
-CPU and GPU alike (:mod:`~ucm.sparse.rerope.vllm_patch`): a per-layer
+CPU and GPU alike (:mod:`ucm.integration.vllm.sparse.rerope`): a per-layer
 ``rotary_emb`` replacement produces ``q`` (scaled, rotated), ``q_w`` and the
 un-rotated ``k2``; the attention ``impl.forward`` is wrapped per instance to
 write K2 and run the ReRoPE kernels (torch reference on CPU, where vLLM has
 no Triton backend) whenever a sequence of the step is longer than ``W``;
 otherwise vLLM's backend runs (RoPE is then exact). The same two methods
-(``attention_begin``, ``sparse_attention``) are what
-:mod:`ucm.sparse.vllm_hooks` calls, so ``ucm_sparse_config: {ReRoPE: {...}}``
-through the sparse wiring needs only the model-side patch on top.
+(``attention_begin``, ``sparse_attention``) are what the generic attention
+hook (:mod:`ucm.integration.vllm.sparse.hooks`) calls; the method declares
+``unrotated_keys`` and ``loads_before_forward``, for which the sparse bridge
+adds the model-side patch and the K2 of loaded blocks.
 Compiled graphs are not supported (``enforce_eager=True``).
 """
 

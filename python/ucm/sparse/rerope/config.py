@@ -1,6 +1,6 @@
 """``ucm_sparse_config: {ReRoPE: {...}}``: the ReRoPE parameters.
 
-Every error names its key; :func:`ucm.sparse.config.build_method_config`
+Every error names its key; :func:`ucm.sparse.factory.build_method_config`
 prefixes it with ``ucm_sparse_config.ReRoPE.``. The original UCM reads the
 same two numbers from the environment (``REROPE_WINDOW``,
 ``TRAINING_LENGTH``).

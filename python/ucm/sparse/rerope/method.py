@@ -20,7 +20,8 @@ ReRoPE is not a sparse method; it uses the framework's attention hooks:
   original's per-batch ``use_rerope``).
 
 The model side -- producing the log-n scaled, rotated query, ``q_w`` and the
-un-rotated key -- is :class:`ucm.sparse.rerope.vllm_patch.ReRoPERotary`,
+un-rotated key -- is on vLLM
+:class:`ucm.integration.vllm.sparse.rerope.ReRoPERotary`,
 which hands ``q_w`` and ``k2`` to this object through :meth:`stash`.
 """
 
@@ -30,9 +31,10 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import UcmSparseBase, UcmSparseRole
-from ucm.sparse.ops import Impl
-from ucm.sparse.rerope import ops
+from ucm.sparse.base import SparseNeeds, UcmSparseBase, UcmSparseRole
+from ucm.sparse.kernels import attention, keys
+from ucm.sparse.kernels.dispatch import Impl
+from ucm.sparse.kernels.views import kv_views
 from ucm.sparse.rerope.config import ReRoPEConfig
 
 
@@ -46,6 +48,14 @@ class ReRoPE(UcmSparseBase):
     """ReRoPE attention over vLLM's paged cache plus a K2 side cache."""
 
     config_class = ReRoPEConfig
+    needs = SparseNeeds(loads_before_forward=True, unrotated_keys=True)
+
+    @classmethod
+    def kv_namespace(cls, config: ReRoPEConfig) -> str:
+        """ReRoPE attention changes the KV of every layer after the first: its
+        blocks never mix with plain-RoPE blocks (or those of another window)."""
+        c = config
+        return f"|rerope=w{c.rerope_window}:l{c.training_length}:log{int(c.log_n_scaling)}"
 
     def __init__(
         self, vllm_config: Any, role: UcmSparseRole, config: ReRoPEConfig | None = None
@@ -85,7 +95,7 @@ class ReRoPE(UcmSparseBase):
 
     def initialize_kv_cache_tensors(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for name, kv in kv_caches.items():
-            k_view, _ = ops.kv_views(kv)
+            k_view, _ = kv_views(kv)
             nb, b, h, d = k_view.shape
             self.k2_caches[name] = torch.zeros(nb, b, h, d, dtype=kv.dtype, device=kv.device)
             self._kv_bytes += kv.numel() * kv.element_size()
@@ -120,9 +130,7 @@ class ReRoPE(UcmSparseBase):
         """
         if self.cos_sin_cache is None:
             raise RuntimeError("ReRoPE.set_rotary was not called")
-        from ucm.sparse.blend import ops as blend_ops
-
-        k_view, _ = ops.kv_views(kv_cache)
+        k_view, _ = kv_views(kv_cache)
         k2 = self.k2_caches[layer_name]
         n, b = int(block_ids.numel()), k2.shape[1]
         if n == 0:
@@ -132,7 +140,7 @@ class ReRoPE(UcmSparseBase):
         pos = first_positions.to(device=k2.device, dtype=torch.long).view(n, 1) + torch.arange(
             b, device=k2.device
         )
-        blend_ops.delta_rope(
+        keys.delta_rope(
             k2, ids, -pos, self.cos_sin_cache, self.is_neox, impl=self.impl, validate=False
         )
 
@@ -169,7 +177,7 @@ class ReRoPE(UcmSparseBase):
         k2 = entry[1]
         n = int(getattr(meta, "num_actual_tokens", k2.shape[0]))
         slots = meta.slot_mapping[:n]
-        ops.write_kv(self.k2_caches[layer_name], k2[:n].view(n, -1, k2.shape[-1]), slots)
+        attention.write_kv(self.k2_caches[layer_name], k2[:n].view(n, -1, k2.shape[-1]), slots)
         return query, key, value, output
 
     def sparse_attention(
@@ -187,12 +195,12 @@ class ReRoPE(UcmSparseBase):
             return False
         q_w = entry[0]
         n = int(getattr(attn_metadata, "num_actual_tokens", query.shape[0]))
-        k_view, v_view = ops.kv_views(kv_cache)
+        k_view, v_view = kv_views(kv_cache)
         d = k_view.shape[-1]
         q = query[:n].view(n, -1, d)
         q_w = q_w[:n].view(n, -1, d)
         out = output[:n].view(n, -1, d)
-        ops.paged_attention(
+        attention.paged_attention(
             q,
             k_view,
             v_view,

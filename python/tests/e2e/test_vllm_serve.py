@@ -1,0 +1,172 @@
+"""``vllm serve`` (OpenAI server on 127.0.0.1, API server + engine core + worker
+processes) with the connector flag: completions, and the ucm metrics on /metrics.
+
+vLLM's own prefix cache is off (``--no-enable-prefix-caching``), so the second
+identical request must come from the UCM store: one server exercises both
+the save and the load path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from support.engines import ROOT, engine_env
+
+PROMPT = (
+    "the cache of keys and values is stored on disk so that a later request with the same "
+    "prefix loads it instead of computing it again every block has an id made from its "
+    "tokens and the id of the block before it a store keeps blocks in files a scheduler "
+    "asks how many blocks of a prompt are present and the workers load them layer by layer"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def samples(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("ucm_"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    extra = {"storage_backends": str(root / "store"), "store_pipeline": "Posix"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "ucm.integration.vllm.cli",
+        "serve",
+        str(tiny_model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--block-size",
+        "32",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--no-enable-prefix-caching",
+        "--kv-transfer-config",
+        json.dumps(
+            {
+                "kv_connector": "UCMConnector",
+                "kv_connector_module_path": "ucm.integration.vllm.ucm_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": extra,
+            }
+        ),
+    ]
+    env = engine_env()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the real thing: several processes
+    log = root / "serve.log"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
+            start_new_session=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if http(base + "/health", timeout=5)[0] == 200:
+                break
+            time.sleep(1)
+        else:
+            proc.kill()
+            pytest.fail(f"vllm serve did not start:\n{log.read_text()[-4000:]}")
+        yield base, log
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def complete(base: str) -> dict:
+    status, body = http(
+        base + "/v1/completions",
+        {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+    )
+    assert status == 200, body
+    return json.loads(body)
+
+
+def test_serve_completions_and_metrics(server: tuple[str, Path]) -> None:
+    base, _ = server
+    first = complete(base)
+    n_prompt = first["usage"]["prompt_tokens"]
+    assert n_prompt >= 64
+    # The save of the first request completes asynchronously.
+    m: dict[str, float] = {}
+    for _ in range(100):
+        m = samples(http(base + "/metrics")[1])
+        if m.get("ucm_save_blocks_total", 0) >= n_prompt // 32:
+            break
+        time.sleep(0.1)
+    assert m.get("ucm_save_blocks_total", 0) == n_prompt // 32
+    second = complete(base)
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    for _ in range(50):
+        m = samples(http(base + "/metrics")[1])
+        if m.get("ucm_load_blocks_total", 0):
+            break
+        time.sleep(0.1)
+    full = n_prompt // 32
+    assert m["ucm_load_blocks_total"] == full
+    assert m["ucm_lookup_tokens_total"] == 2 * n_prompt
+    assert m["ucm_lookup_hit_tokens_total"] == min(full * 32, n_prompt - 1)
+    assert 0 < m["ucm_lookup_hit_rate"] <= 1
+    assert m["ucm_load_duration_ms_count"] >= 1 and m["ucm_load_duration_ms_sum"] > 0
+    assert m["ucm_save_duration_ms_count"] >= 1 and m["ucm_save_duration_ms_sum"] > 0
+    assert m["ucm_load_speed_gbps"] > 0 and m["ucm_save_speed_gbps"] > 0
+    assert m["ucm_load_bytes_total"] == m["ucm_save_bytes_total"] > 0
+    assert m.get("ucm_load_failed_blocks_total", 0) == 0
+    assert m["ucm_store_healthy"] == 1
+    # Histograms have buckets.
+    text = http(base + "/metrics")[1]
+    assert "ucm_load_duration_ms_bucket{" in text and 'le="+Inf"' in text

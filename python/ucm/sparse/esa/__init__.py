@@ -1,0 +1,6 @@
+"""ESA: mean-key block retrieval with offload of unselected blocks (:mod:`.method`)."""
+
+from ucm.sparse.esa.config import ESAConfig
+from ucm.sparse.esa.method import ESA, ESASelector, esa_representatives, esa_scores
+
+__all__ = ["ESA", "ESAConfig", "ESASelector", "esa_representatives", "esa_scores"]

@@ -1,0 +1,171 @@
+"""Plain-torch references of attention over paged KV (the specification of
+:mod:`ucm.sparse.kernels.attention.jit`).
+
+Tensors (``T`` query tokens, ``S`` sequences, GQA ``G = H_q / H_kv``):
+
+* ``q``, ``q_w`` ``[T, H_q, D]``;
+* paged caches ``k_cache``, ``k2_cache``, ``v_cache``: logical
+  ``[num_blocks, B, H_kv, D]`` views, any strides (the vLLM CPU layout is a
+  strided view, :func:`ucm.sparse.kernels.views.cpu_kv_cache_views`);
+* ``block_table`` ``[S, max_blocks]``, ``seq_lens`` ``[S]`` (keys of each
+  sequence, the new tokens included), ``query_start_loc`` ``[S + 1]``;
+* ``q_positions`` ``[T]``: the position of each query token. A token attends
+  to the keys at positions ``0..q_positions[t]`` of its sequence (causal by
+  position, so a non-contiguous subset of a prompt's tokens, e.g. Blend's
+  recomputed tokens, attends correctly). Default: the last ``q_len``
+  positions, ``seq_len - q_len + i``.
+
+With ReRoPE (``window`` set) a score is ``S1 = q . k`` when the query and the
+key are less than ``window`` positions apart and ``S2 = q_w . k2`` otherwise
+(see :mod:`ucm.sparse.rerope.reference` for the definition).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query per sequence over its paged blocks.
+
+    Args:
+        q: ``[S, H_q, D]``.
+        k_cache, v_cache: ``[num_blocks, B, H_kv, D]`` (any strides).
+        block_table: ``[S, max_blocks]`` int; only the first
+            ``ceil(seq_len / B)`` entries of a row are read.
+        seq_lens: ``[S]`` int keys of each sequence (0 gives a zero output).
+        scale: softmax scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``[S, H_q, D]`` in ``q.dtype`` (computed in fp32).
+    """
+    s, h_q, d = q.shape
+    b, h_kv = k_cache.shape[1], k_cache.shape[2]
+    g = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(s, h_q, d, dtype=torch.float32, device=q.device)
+    for i in range(s):
+        sl = int(seq_lens[i])
+        if sl == 0:
+            continue
+        nb = -(-sl // b)
+        blocks = block_table[i, :nb].long()
+        k = k_cache[blocks].float().reshape(nb * b, h_kv, d)[:sl]
+        v = v_cache[blocks].float().reshape(nb * b, h_kv, d)[:sl]
+        k = k.repeat_interleave(g, dim=1)  # [L, H_q, D]
+        v = v.repeat_interleave(g, dim=1)
+        logits = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale
+        p = torch.softmax(logits, dim=-1)
+        out[i] = torch.einsum("hl,lhd->hd", p, v)
+    return out.to(q.dtype)
+
+
+def default_q_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """``[T]`` positions of the last ``q_len`` tokens of each sequence."""
+    qsl = query_start_loc.to(torch.long).cpu()
+    sl = seq_lens.to(torch.long).cpu()
+    out = []
+    for s in range(sl.numel()):
+        ql = int(qsl[s + 1] - qsl[s])
+        out.append(torch.arange(int(sl[s]) - ql, int(sl[s])))
+    if not out:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.cat(out).to(torch.int32)
+
+
+def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
+    b = cache.shape[1]
+    nb = -(-n // b)
+    blocks = cache[table_row[:nb].to(torch.long)]  # [nb, B, H, D]
+    return blocks.reshape(nb * b, *cache.shape[2:])[:n]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    q_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    q_w: torch.Tensor | None = None,
+    k2_cache: torch.Tensor | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    q_chunk: int = 512,
+) -> torch.Tensor:
+    """Causal-by-position attention over paged KV, optionally ReRoPE.
+
+    Without ``window`` it is ordinary attention (``S1`` everywhere); with
+    ``window``, ``q_w`` and ``k2_cache`` each score is ``S1`` if
+    ``q_pos - j < window`` else ``S2`` (see the module doc). Rows with no
+    visible key give 0. Returns ``[T, H_q, D]`` in ``q``'s dtype (fp32
+    arithmetic); queries are processed ``q_chunk`` at a time to bound memory.
+    """
+    t, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    g = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    rerope = window is not None
+    if rerope and (q_w is None or k2_cache is None):
+        raise ValueError("ReRoPE needs q_w and k2_cache")
+    if q_positions is None:
+        q_positions = default_q_positions(seq_lens, query_start_loc)
+    if out is None:
+        out = torch.zeros(t, h_q, d, dtype=q.dtype, device=q.device)
+    qsl = query_start_loc.to(torch.long).cpu()
+    sl = seq_lens.to(torch.long).cpu()
+    pos_all = q_positions.to(device=q.device, dtype=torch.long)
+    for s in range(sl.numel()):
+        a, b_ = int(qsl[s]), int(qsl[s + 1])
+        n = int(sl[s])
+        if a == b_:
+            continue
+        if n == 0:
+            out[a:b_] = 0
+            continue
+        row = block_table[s]
+        kf = _gather(k_cache, row, n).float()
+        vf = _gather(v_cache, row, n).float()
+        k2f = _gather(k2_cache, row, n).float() if rerope else None
+        j = torch.arange(n, device=q.device)
+        for c0 in range(a, b_, q_chunk):
+            c1 = min(b_, c0 + q_chunk)
+            pos = pos_all[c0:c1]
+            qc = q[c0:c1].float().view(c1 - c0, h_kv, g, d)
+            sc = torch.einsum("thgd,jhd->hgtj", qc, kf)
+            if rerope:
+                qw = q_w[c0:c1].float().view(c1 - c0, h_kv, g, d)
+                s2 = torch.einsum("thgd,jhd->hgtj", qw, k2f)
+                inside = (pos[:, None] - j[None, :]) < window
+                sc = torch.where(inside, sc, s2)
+            sc = sc * scale
+            visible = j[None, :] <= pos[:, None]
+            sc = sc.masked_fill(~visible, float("-inf"))
+            mx = sc.amax(dim=-1, keepdim=True)
+            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+            p = torch.exp(sc - mx)
+            denom = p.sum(dim=-1, keepdim=True)
+            o = torch.einsum("hgtj,jhd->thgd", p / torch.where(denom > 0, denom, 1.0), vf)
+            out[c0:c1] = o.reshape(c1 - c0, h_q, d).to(out.dtype)
+    return out
+
+
+def write_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache[slot // B, slot % B] = x[t]`` for every token with ``slot >= 0``."""
+    b = cache.shape[1]
+    s = slot_mapping.to(device=x.device, dtype=torch.long)
+    valid = s >= 0
+    sv = s[valid]
+    cache[sv // b, sv % b] = x[valid].to(cache.dtype)

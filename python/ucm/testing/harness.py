@@ -1,0 +1,221 @@
+"""A vLLM engine in its own process, driven by JSON lines.
+
+Used by the README's main job (:mod:`.vllm_demo`), ``benches/ttft.py`` and the
+end-to-end tests: each engine is a fresh process (as after a restart), with
+vLLM's engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+it starts in seconds.
+
+Child side: ``python -m ucm.testing.harness '<json config>'`` with
+``model``, optional ``ucm`` (the connector's ``kv_connector_extra_config``;
+absent = no connector) and ``llm`` (more ``vllm.LLM`` arguments). Commands
+arrive on stdin, one JSON object per line; each answer is one stdout line
+starting with ``@@UCM@@``:
+
+* ``{"op": "generate", "prompts": [[ids]...], "max_tokens": n}`` ->
+  ``{"tokens", "cached" (num_cached_tokens per prompt), "seconds",
+  "cpu_seconds" (CPU time of the whole process, all threads)}``;
+  with ``max_tokens`` 1 the time is the time to first token.
+* ``{"op": "metrics"}`` -> ``{"text"}``: the ``ucm_*`` lines of the
+  process's Prometheus registry.
+* ``{"op": "exit"}``: shuts the engine down (in-flight saves are flushed).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MARK = "@@UCM@@ "
+CONNECTOR = {
+    "kv_connector": "UCMConnector",
+    "kv_connector_module_path": "ucm.integration.vllm.ucm_connector",
+    "kv_role": "kv_both",
+}
+
+
+OFFLINE_ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Offline, with the engine core in the engine's own process (tests read its state)."""
+
+
+def prepare_engine_child() -> None:
+    """For a child process that runs vLLM itself; call before vLLM or
+    :mod:`ucm.sparse` is imported. vLLM's CPU build runs the torch reference
+    ops, so an inherited ``TRITON_INTERPRET`` (set by the test suite) goes."""
+    os.environ.update(OFFLINE_ENGINE_ENV)
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """Environment for an engine child: offline, in-process engine core,
+    ``python/`` importable, no stray ``UCM_*`` settings."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env.update(OFFLINE_ENGINE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    for k in [k for k in env if k.startswith("UCM_")]:
+        del env[k]
+    env.update(extra)
+    return env
+
+
+class EngineProcess:
+    """Parent side: starts the child and talks to it."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        log: str | Path,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.log_path = Path(log)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ucm.testing.harness", json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env or engine_env(),
+            cwd=str(cwd or self.log_path.parent),
+        )
+        self._lock = threading.Lock()
+        first = self._read()
+        if not first.get("ready"):
+            raise RuntimeError(f"engine did not start: {first}")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait(timeout=60)
+                raise RuntimeError(
+                    f"engine exited ({self.proc.returncode}); log tail:\n{self.log_tail()}"
+                )
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+            self._log.write(line)
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        with self._lock:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+            return self._read()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> dict[str, Any]:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens)
+
+    def ttft(self, prompt: list[int]) -> tuple[float, int]:
+        """Seconds to the first token of one prompt, and its cached-token count."""
+        out = self.generate([prompt], max_tokens=1)
+        return out["seconds"], out["cached"][0]
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's ``ucm_*`` samples, summed over labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, float] = {}
+        text = self.call(op="metrics")["text"]
+        for fam in text_string_to_metric_families(text + "\n"):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(op="exit")
+                self.proc.wait(timeout=300)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _child(cfg: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=cfg["model"],
+        enforce_eager=True,
+        max_model_len=2048,
+        block_size=32,
+        dtype="float32",
+        kv_cache_memory_bytes=64 << 20,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        seed=0,
+    )
+    kwargs.update(cfg.get("llm", {}))
+    if cfg.get("ucm") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            **CONNECTOR, kv_connector_extra_config=cfg["ucm"]
+        )
+    llm = LLM(**kwargs)
+    _reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        if op == "generate":
+            params = SamplingParams(
+                temperature=0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True
+            )
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
+            t, cpu = time.perf_counter(), time.process_time()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
+            _reply(
+                {
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "cached": [o.num_cached_tokens or 0 for o in outs],
+                    "seconds": dt,
+                    "cpu_seconds": dcpu,
+                }
+            )
+        elif op == "metrics":
+            from prometheus_client import REGISTRY, generate_latest
+
+            text = generate_latest(REGISTRY).decode()
+            _reply({"text": "\n".join(x for x in text.splitlines() if "ucm_" in x)})
+        elif op == "exit":
+            del llm
+            gc.collect()
+            _reply({"bye": True})
+            return
+        else:
+            _reply({"error": f"unknown op {op!r}"})
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))
