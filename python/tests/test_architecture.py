@@ -17,12 +17,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ucm"
 
-#: Cycles still allowed: the store config is being redesigned, which removes this one.
-KNOWN_CYCLES = {frozenset({"ucm.store.config", "ucm.store.remote_config"})}
+#: Cycles still allowed: none.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
-#: (importer, module, name) of private imports still allowed: the same store
-#: config redesign removes this one.
-KNOWN_PRIVATE_IMPORTS = {("ucm.store.remote_config", "ucm.store.config", "_resolve_sizes")}
+#: (importer, module, name) of private imports still allowed: none.
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 #: The compiled extension is private to the package; its Python wrappers import it.
 NATIVE = "ucm._native"

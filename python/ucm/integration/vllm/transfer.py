@@ -9,8 +9,9 @@ staged blocks into the cache. Callers keep their own bookkeeping: which
 request a transfer belongs to, statistics, threads.
 
 The store is called in exactly two places, :func:`_store_load` and
-:func:`_store_dump`; both are given the tensors that own the memory the
-addresses point into (the KV cache layers, or the host staging buffer).
+:func:`_store_dump`, through its safe API: the addresses go with the tensors
+that own the memory they point into (the KV cache layers, or the host
+staging buffer), which the store checks them against and keeps alive.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ucm.integration.vllm.layout import KVLayout
+from ucm.store.memory import Regions
 
 if TYPE_CHECKING:
     from ucm.store import Task, UcmKVStoreBase
@@ -46,10 +48,11 @@ def _store_load(
     addrs: np.ndarray,
     owners: list[Any],
 ) -> Task:
-    """Submits a load into raw addresses. ``owners`` are the tensors that own
-    the memory ``addrs`` points into: they stay alive until the task is
-    waited (the pending load holds them)."""
-    return store.load_data(keys, shard_idx, addrs)
+    """Submits a load into ``addrs``, which point into the tensors ``owners``
+    (vLLM's KV caches, or the host staging buffer): the store checks every
+    address range against them and keeps them alive until the load has
+    finished, whatever happens to the task."""
+    return store.load(keys, shard_idx, Regions(owners, addrs))
 
 
 def _store_dump(
@@ -59,8 +62,8 @@ def _store_dump(
     addrs: np.ndarray,
     owners: list[Any],
 ) -> Task:
-    """Submits a dump from raw addresses; ``owners`` as for :func:`_store_load`."""
-    return store.dump_data(keys, shard_idx, addrs)
+    """Submits a dump from ``addrs``; ``owners`` as for :func:`_store_load`."""
+    return store.dump(keys, shard_idx, Regions(owners, addrs))
 
 
 class HostStaging:

@@ -55,9 +55,11 @@ impl WorkDirs {
             make_private_dir(&parent)?;
             let hidden = parent.join(format!(".{}.new", paths.token()));
             std::fs::create_dir(&hidden).map_err(|e| UcmError::os("mkdir", &hidden, e))?;
-            let lock = Opener::new(false, false)
-                .create(&hidden.join(LOCK_FILE))?
-                .file;
+            // Created, then held open read-only: a file open for writing
+            // would keep the file system from being remounted read-only.
+            let lock_path = hidden.join(LOCK_FILE);
+            drop(Opener::new(false, false).create(&lock_path)?);
+            let lock = File::open(&lock_path).map_err(|e| UcmError::os("open", &lock_path, e))?;
             if !try_lock(&lock) {
                 return Err(UcmError::os(
                     "flock",

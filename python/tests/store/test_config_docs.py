@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ucm.store.config_doc import main, replaced
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def test_readme_key_tables_match_the_core() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_helpers import SHARD, SHARDS, base_config
+from support.store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import (
     BlockNotFoundError,
@@ -62,7 +62,7 @@ def run_child(code: str, *args: str, timeout: float = 120) -> subprocess.Complet
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
     )
 
 
@@ -70,7 +70,7 @@ PLANT_AND_DUMP = """
     import os, sys, glob
     from pathlib import Path
     import torch
-    from store_helpers import SHARD, SHARDS, base_config
+    from support.store_helpers import SHARD, SHARDS, base_config
     from ucm.store import UcmConnectorFactory
 
     root, victim, spares = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
@@ -162,7 +162,7 @@ FOREIGN_LOAD = """
     import os, stat, sys, threading, time
     from pathlib import Path
     import torch
-    from store_helpers import SHARD, SHARDS, base_config
+    from support.store_helpers import SHARD, SHARDS, base_config
     from ucm.store import UcmConnectorFactory, UcmStoreError
 
     root, kind = Path(sys.argv[1]), sys.argv[2]
@@ -260,7 +260,7 @@ def test_committed_block_damaged_after_wait_fails_to_load_and_is_removed(
 HOLD_OPEN = """
     import sys
     from pathlib import Path
-    from store_helpers import base_config
+    from support.store_helpers import base_config
     from ucm.store import UcmConnectorFactory
 
     root = Path(sys.argv[1])
@@ -285,7 +285,7 @@ def test_a_store_in_another_pid_namespace_keeps_its_spare_files(tmp_path: Path) 
         pytest.skip(f"no PID namespaces here: {probe.stderr.decode().strip()}")
     root = tmp_path / "store"
     root.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     a = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(HOLD_OPEN), str(root)],
         stdin=subprocess.PIPE,
@@ -372,7 +372,7 @@ def test_syncs_follow_durability(tmp_path: Path) -> None:
         import sys
         from pathlib import Path
         import torch
-        from store_helpers import SHARD, SHARDS, base_config
+        from support.store_helpers import SHARD, SHARDS, base_config
         from ucm.store import UcmConnectorFactory
 
         root = Path(sys.argv[1]); root.mkdir(exist_ok=True)
@@ -405,7 +405,7 @@ def test_syncs_follow_durability(tmp_path: Path) -> None:
             ],
             capture_output=True,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
             timeout=120,
         )
         assert res.returncode == 0, res.stderr[-3000:]
@@ -445,7 +445,7 @@ def test_lookup_of_many_missing_ids_lists_directories_instead_of_stat_per_id(
     code = """
         import os, sys
         from pathlib import Path
-        from store_helpers import base_config
+        from support.store_helpers import base_config
         from ucm.store import UcmConnectorFactory
 
         root = Path(sys.argv[1]); root.mkdir(exist_ok=True)
@@ -460,7 +460,7 @@ def test_lookup_of_many_missing_ids_lists_directories_instead_of_stat_per_id(
             "UcmPipelineStore", base_config(root, posix_spare_files=0)
         )
         import torch
-        from store_helpers import SHARD, SHARDS
+        from support.store_helpers import SHARD, SHARDS
         data = torch.zeros(SHARDS * SHARD, dtype=torch.uint8)
         rows = [[data[s * SHARD : (s + 1) * SHARD]] for s in range(SHARDS)]
         other.wait(other.dump([present] * SHARDS, list(range(SHARDS)), rows))
@@ -485,7 +485,7 @@ def test_lookup_of_many_missing_ids_lists_directories_instead_of_stat_per_id(
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
         timeout=600,
     )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

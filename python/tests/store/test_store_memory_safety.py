@@ -157,7 +157,7 @@ def test_task_handles_are_checked(make_store) -> None:
 def test_regions_are_checked_against_their_tensors(make_store) -> None:
     import numpy as np
     import torch
-    from store_helpers import SHARD, SHARDS
+    from support.store_helpers import SHARD, SHARDS
 
     from ucm.store import InvalidParamError, Regions
 
