@@ -29,6 +29,7 @@ import torch
 
 from ucm import _native
 from ucm.store import UcmConnectorFactory
+from ucm.testing import store_debug
 
 QD = 4
 
@@ -111,7 +112,7 @@ def throughput(root: Path, total: int, shard: int, tensors: int, engine: str, di
         dumps.append(total / (time.perf_counter() - t0) / 1e9)
         if r < 2:
             for i in ids:  # keep the disk footprint small; the last round stays for loads
-                path = store.block_path(i)
+                path = store_debug.block_path(store, i)
                 if path:
                     Path(path).unlink(missing_ok=True)
     ids = ids_for(3, n)

@@ -31,6 +31,7 @@ CHILD = textwrap.dedent(
     from test_cache_shared import shared_cfg, content, rows, bid
     import numpy as np
     from ucm.store import UcmConnectorFactory
+    from ucm.testing import store_debug
 
     cfg = json.loads(sys.argv[1])
     action = sys.argv[2]
@@ -53,7 +54,7 @@ CHILD = textwrap.dedent(
         store.wait(store.dump([bid(5)] * {shards}, list(range({shards})),
                               rows([content(bid(5), s) for s in range({shards})])))
         print("LOCKED", flush=True)
-        store._native._debug_hold_lock_forever()
+        store_debug.hold_lock_forever(store)
     store.close()
     """
 ).format(path=CHILD_PATH, shard=SHARD, shards=SHARDS)
@@ -109,7 +110,7 @@ def put(store: Any, b: bytes) -> None:
 def test_two_processes_and_a_scheduler_share_one_cache(tmp_path: Path, uid: str) -> None:
     cfg = shared_cfg(tmp_path, uid)
     store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
-    shm = Path(store.shm_path)
+    shm = Path(store.describe()["shm_path"])
     assert shm.exists()
     put(store, bid(1))
     assert not store.stats()["blocks"], "lazy: not in Posix yet"
@@ -136,7 +137,7 @@ def test_two_processes_and_a_scheduler_share_one_cache(tmp_path: Path, uid: str)
 def test_participant_killed_holding_the_lock(tmp_path: Path, uid: str) -> None:
     cfg = shared_cfg(tmp_path, uid)
     store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
-    shm = Path(store.shm_path)
+    shm = Path(store.describe()["shm_path"])
     put(store, bid(1))
     child = run_child(cfg, "hang")
     assert child.stdout is not None

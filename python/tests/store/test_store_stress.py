@@ -17,6 +17,7 @@ import pytest
 from support.store_helpers import SHARD, SHARDS, base_config
 
 from ucm.store import CorruptBlockError, UcmConnectorFactory
+from ucm.testing import store_debug
 
 
 def content(bid: bytes, shard: int) -> np.ndarray:
@@ -148,7 +149,7 @@ def test_flipped_byte_is_a_load_error(make_store, where: str, message: str) -> N
     store = make_store()
     bid = b"\x01" * 16
     dump_block(store, bid)
-    path = Path(store.block_path(bid))
+    path = Path(store_debug.block_path(store, bid))
     raw = bytearray(path.read_bytes())
     region = len(raw) // SHARDS  # each shard: a 4 KiB header, then its data
     offset = 2 * region + (4096 + 1234 if where == "data" else 40)

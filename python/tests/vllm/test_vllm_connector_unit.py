@@ -23,6 +23,7 @@ from ucm.integration.vllm.config import resolve_config
 from ucm.integration.vllm.scheduler import KVGeometry, UCMSchedulerSide
 from ucm.integration.vllm.transfer import rank_keys
 from ucm.integration.vllm.worker import UCMWorkerSide
+from ucm.testing import store_debug
 
 L, NB, H, BS, C = 3, 24, 2, 32, 64  # layers, vLLM blocks, KV heads, tokens/block, 2*head_dim
 SHARD = H * BS * C * 4
@@ -270,7 +271,7 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path, lookahead: in
     a.close()
     # Corrupt the third block's file.
     ids = a.sched.store_keys(FakeRequest("x", toks))
-    path = Path(a.sched.store.get().block_path(ids[2]))
+    path = Path(store_debug.block_path(a.sched.store.get(), ids[2]))
     raw = bytearray(path.read_bytes())
     raw[4096 + 100] ^= 0xFF
     path.write_bytes(bytes(raw))

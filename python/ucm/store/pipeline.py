@@ -91,6 +91,12 @@ class UcmPipelineStore(UcmKVStoreBase):
         # even if nobody calls close().
         self._finalizer = weakref.finalize(self, _close_quietly, native)
 
+    @property
+    def native(self) -> _native.NativeStore:
+        """The native store at the top of the pipeline (what the debug hooks
+        of :mod:`ucm.testing.store_debug` act on)."""
+        return self._native
+
     # -- lookups ---------------------------------------------------------
     def lookup(self, block_ids: Sequence[bytes]) -> list[bool]:
         return self._native.lookup(block_ids)
@@ -192,36 +198,53 @@ class UcmPipelineStore(UcmKVStoreBase):
         return self._native.check(_task_id(task))
 
     # -- management ------------------------------------------------------
+    def _posix_prefix(self) -> str | None:
+        """Where the Posix stage's figures sit in the native ones (each stage
+        above it adds ``backend.``), or None without a Posix stage."""
+        names = [name for name, _ in self.pipeline_config.stages]
+        return "backend." * names.index("Posix") if "Posix" in names else None
+
     def stats(self) -> dict[str, Any]:
-        """Counters of the Posix stage (blocks, bytes, loads, dumps, evictions...)."""
-        return dict(self._native.stats())
+        """Counters of the Posix stage (blocks, bytes, loads, dumps,
+        evictions...) and its ``io_engine``; empty without a Posix stage."""
+        prefix = self._posix_prefix()
+        if prefix is None:
+            return {}
+        out: dict[str, Any] = {
+            k[len(prefix) :]: int(v)
+            for k, v in self._native.get_stats().items()
+            if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
+        out["io_engine"] = self.describe().get(f"{prefix}io_engine")
+        return out
 
     def get_stats(self) -> dict[str, float]:
         """Figures of the whole pipeline: for a ``Cache`` stage ``l1_hit_rate``,
         ``l2_hit_rate``, ``avg_load_latency_ms``, ``p99_load_latency_ms``,
         ``eviction_count``, ``bytes_loaded_l1``/``_l2``, ``bytes_dumped_l1``/``_l2``,
-        ``dirty_blocks``, ``write_back_failures`` and more; the Posix stage's
-        counters under ``posix.``."""
+        ``dirty_blocks``, ``write_back_failures`` and more, the figures of the
+        stage below under ``backend.``; the Posix stage's counters also under
+        ``posix.``."""
         out = dict(self._native.get_stats())
-        for k, v in self._native.stats().items():
-            if isinstance(v, int | float):
-                out[f"posix.{k}"] = float(v)
+        prefix = self._posix_prefix()
+        if prefix is not None:
+            for k, v in list(out.items()):
+                if k.startswith(prefix) and "." not in k[len(prefix) :]:
+                    out[f"posix.{k[len(prefix) :]}"] = v
         return out
+
+    def describe(self) -> dict[str, str]:
+        """Facts about the stages that are not figures: the Posix stage's
+        ``io_engine``, ``storage_backends`` and ``durability``, a cache's
+        ``slots`` and ``shm_path`` (shared mode); the stage below's under
+        ``backend.``."""
+        return dict(self._native.describe())
 
     def flush(self) -> None:
         """Writes every dirty cached block to the backend; raises
         :class:`~ucm.store.errors.TaskFailedError` naming how many could not be
         written (they stay dirty in the cache and are retried)."""
         self._native.flush()
-
-    @property
-    def shm_path(self) -> str | None:
-        """The shared-memory segment of a ``share_buffer_enable`` cache."""
-        return self._native.shm_path
-
-    def block_path(self, block_id: bytes) -> str | None:
-        """Where a block's file lives (Posix), for tools and tests."""
-        return self._native.block_path(block_id)
 
     def close(self) -> None:
         """Flushes (a cache), then stops every stage. Raises if the flush

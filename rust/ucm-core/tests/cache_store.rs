@@ -674,7 +674,7 @@ fn helper_hold_lock() {
     println!("LOCKED");
     use std::io::Write;
     std::io::stdout().flush().unwrap();
-    c.debug_hold_lock_forever();
+    c.debug().map(|d| d.hold_lock_forever());
 }
 
 #[test]

@@ -131,7 +131,7 @@ fn round_trip_all_engines_and_direct_modes() {
                     "mismatch engine={engine:?} direct={direct}"
                 );
             }
-            let st = store.stats();
+            let st = store.counters();
             assert_eq!(st.blocks_committed, 8);
             assert_eq!(st.shards_loaded, 32);
         }
@@ -232,6 +232,14 @@ fn concurrent_writers_of_one_block_leave_one_whole_block() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
+/// Where a block's file lives (the store's debug hook).
+fn block_path(store: &PosixStore, id: &BlockId) -> std::path::PathBuf {
+    store
+        .debug()
+        .and_then(|d| d.block_path(id))
+        .expect("a Posix store knows its block paths")
+}
+
 /// Files in the stores' work directories: the number of spare files, and
 /// every other file but the locks and closed markers (temporaries).
 fn work_files(root: &std::path::Path) -> (usize, Vec<String>) {
@@ -261,7 +269,7 @@ fn checksum_failure_is_a_load_error_and_clears_the_destination() {
             .unwrap();
         store.wait(t).unwrap();
         // Flip one data byte of shard 2.
-        let path = store.block_path(&id(1));
+        let path = block_path(&store, &id(1));
         let mut raw = std::fs::read(&path).unwrap();
         let off = store.layout().offset(2) as usize + 4096 + 100;
         raw[off] ^= 0xff;
@@ -276,7 +284,7 @@ fn checksum_failure_is_a_load_error_and_clears_the_destination() {
         );
         // The corrupt block is dropped so it can be written again.
         assert_eq!(store.lookup(&[id(1)]).unwrap(), vec![false]);
-        assert_eq!(store.stats().corrupt_loads, 1);
+        assert_eq!(store.counters().corrupt_loads, 1);
     });
 }
 
@@ -295,11 +303,11 @@ fn whole_block_loads_verify_every_shard_of_the_coalesced_read() {
                 .unwrap();
             store.wait(t).unwrap();
         }
-        let path = store.block_path(&id(1));
+        let path = block_path(&store, &id(1));
         let mut raw = std::fs::read(&path).unwrap();
         raw[store.layout().offset(2) as usize + 4096 + 5] ^= 0x01;
         std::fs::write(&path, raw).unwrap();
-        let path2 = store.block_path(&id(2));
+        let path2 = block_path(&store, &id(2));
         let cut = store.layout().offset(3) + 4096 + 10;
         std::fs::OpenOptions::new()
             .write(true)
@@ -350,8 +358,8 @@ fn foreign_block_and_other_layout_are_rejected() {
         .unwrap();
     store.wait(t).unwrap();
     // Copy block 1's file under block 2's name: a "foreign" block.
-    std::fs::create_dir_all(store.block_path(&id(2)).parent().unwrap()).unwrap();
-    std::fs::copy(store.block_path(&id(1)), store.block_path(&id(2))).unwrap();
+    std::fs::create_dir_all(block_path(&store, &id(2)).parent().unwrap()).unwrap();
+    std::fs::copy(block_path(&store, &id(1)), block_path(&store, &id(2))).unwrap();
     let out = Buf::new(SHARD, 0);
     let t = store.load(vec![out.shard(id(2), 0)]).unwrap();
     let err = store.wait(t).unwrap_err();
@@ -395,7 +403,7 @@ fn spare_files_are_used_and_cleaned_up() {
             .dump((0..4).map(|s| bufs[s].shard(id(n), s)).collect(), 0)
             .unwrap();
         store.wait(t).unwrap();
-        let len = std::fs::metadata(store.block_path(&id(n))).unwrap().len();
+        let len = std::fs::metadata(block_path(&store, &id(n))).unwrap().len();
         assert_eq!(len, store.layout().file_len());
     }
     let out = Buf::new(SHARD, 0);
@@ -421,7 +429,7 @@ fn spare_files_are_used_and_cleaned_up() {
     cfg.spare_files = 0;
     let store = PosixStore::open(cfg).unwrap();
     assert_eq!(work_files(dir.path()).0, 0);
-    assert_eq!(store.stats().blocks, 8);
+    assert_eq!(store.counters().blocks, 8);
 }
 
 #[test]
@@ -461,10 +469,10 @@ fn capacity_evicts_least_recently_used_and_restart_restores_state() {
         put(&store, n);
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while store.stats().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline {
+    while store.counters().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let st = store.stats();
+    let st = store.counters();
     assert!(st.used_bytes <= cfg.capacity_bytes, "{st:?}");
     assert!(st.evictions >= 4, "{st:?}");
     let present = store.lookup(&(0..14).map(id).collect::<Vec<_>>()).unwrap();
@@ -475,7 +483,7 @@ fn capacity_evicts_least_recently_used_and_restart_restores_state() {
     // Restart: contents and usage come back from the directory (the
     // evictor may have made room for spares since the lookup above).
     let store = PosixStore::open(cfg.clone()).unwrap();
-    let st = store.stats();
+    let st = store.counters();
     let kept = store
         .lookup(&(0..14).map(id).collect::<Vec<_>>())
         .unwrap()
@@ -541,7 +549,7 @@ fn a_burst_at_capacity_reuses_cold_files_instead_of_creating() {
     for n in 0..40 {
         dump_blocks(&store, n..n + 1);
     }
-    assert!(store.stats().evictions > 0);
+    assert!(store.counters().evictions > 0);
     let before = inodes(dir.path());
     dump_blocks(&store, 100..120);
     let created = inodes(dir.path()).difference(&before).count();
@@ -561,12 +569,13 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
         dump_blocks(&store, n..n + 1);
         // Let the evictor keep up, so recycled files are reused.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while store.stats().used_bytes > cfg.capacity_bytes && std::time::Instant::now() < deadline
+        while store.counters().used_bytes > cfg.capacity_bytes
+            && std::time::Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
-    let st = store.stats();
+    let st = store.counters();
     assert!(st.evictions >= 30, "{st:?}");
     assert!(st.files_recycled >= 10, "{st:?}");
     // The spare directory never holds more than the pool's cap (4 x 2).
@@ -610,7 +619,7 @@ fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
         // Evictions keep up with the dumps: within the capacity, and the
         // spare pool (4 files) refilled by recycling.
         let spares = || work_files(dir.path()).0;
-        while (store.stats().used_bytes > cfg.capacity_bytes || spares() < 4)
+        while (store.counters().used_bytes > cfg.capacity_bytes || spares() < 4)
             && std::time::Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(2));
@@ -627,11 +636,11 @@ fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
         put(&store, n);
     }
     let before = inodes(dir.path());
-    let recycled = store.stats().files_recycled;
+    let recycled = store.counters().files_recycled;
     for n in 60..100 {
         put(&store, n);
     }
-    let st = store.stats();
+    let st = store.counters();
     // About one eviction per dump (give or take a batch of look-ahead).
     assert!(st.files_recycled >= recycled + 30, "{st:?}");
     assert!(st.used_bytes <= cfg.capacity_bytes, "{st:?}");
@@ -695,7 +704,7 @@ fn a_destination_changed_during_a_load_fails_it_but_keeps_the_block() {
     }
     // The block was not taken for corrupt: it is still there and loads.
     assert!(store.lookup(&[id(1)]).unwrap()[0]);
-    assert_eq!(store.stats().corrupt_loads, 0);
+    assert_eq!(store.counters().corrupt_loads, 0);
     let clean = Buf::new(SHARD, 0);
     let t = store.load(vec![clean.shard(id(1), 0)]).unwrap();
     store.wait(t).unwrap();

@@ -38,10 +38,6 @@ use crate::py_stage::PyStage;
 #[pyclass(name = "NativeStore", module = "ucm._native", frozen)]
 pub struct PyStore {
     store: Arc<dyn Store>,
-    /// The Posix store at the bottom of the pipeline, if any (its counters).
-    posix: Option<Arc<PosixStore>>,
-    /// The Cache store at the top, if any.
-    cache: Option<Arc<CacheStore>>,
     /// Set when this store became another store's backend: the owner
     /// closes it, so dropping this handle must not.
     consumed: AtomicBool,
@@ -74,11 +70,9 @@ impl Default for Owners {
 }
 
 impl PyStore {
-    pub(crate) fn plain(store: Arc<dyn Store>, posix: Option<Arc<PosixStore>>) -> Self {
+    pub(crate) fn plain(store: Arc<dyn Store>) -> Self {
         PyStore {
             store,
-            posix,
-            cache: None,
             consumed: AtomicBool::new(false),
             owners: Mutex::new(Owners::default()),
         }
@@ -120,18 +114,14 @@ impl PyStore {
         backend: &Bound<'_, PyAny>,
         tensor_size_list: Vec<usize>,
     ) -> PyResult<Self> {
-        let (below, posix): (Arc<dyn Store>, Option<Arc<PosixStore>>) =
-            match backend.cast::<PyStore>() {
-                Ok(native) => {
-                    let native = native.get();
-                    native.usable()?;
-                    (native.store.clone(), native.posix.clone())
-                }
-                Err(_) => (
-                    Arc::new(PyStage::new(py, backend.clone().unbind(), tensor_size_list)),
-                    None,
-                ),
-            };
+        let below: Arc<dyn Store> = match backend.cast::<PyStore>() {
+            Ok(native) => {
+                let native = native.get();
+                native.usable()?;
+                native.store.clone()
+            }
+            Err(_) => Arc::new(PyStage::new(py, backend.clone().unbind(), tensor_size_list)),
+        };
         let cache = Arc::new(py.detach(|| CacheStore::open(cfg, below)).py_err()?);
         let mut owners = Owners::default();
         if let Ok(native) = backend.cast::<PyStore>() {
@@ -143,9 +133,7 @@ impl PyStore {
             owners.until_close.extend(inherited.until_close);
         }
         Ok(PyStore {
-            store: cache.clone(),
-            posix,
-            cache: Some(cache),
+            store: cache,
             consumed: AtomicBool::new(false),
             owners: Mutex::new(owners),
         })
@@ -355,12 +343,11 @@ impl PyStore {
         let s = crate::config::find_stage(stage)?;
         let v = crate::config::parse(s, values)?;
         let cfg_err = |e: ucm_core::config::ConfigError| to_py(e.into());
-        let plain = |store: Arc<dyn Store>| Ok(PyStore::plain(store, None));
+        let plain = |store: Arc<dyn Store>| Ok(PyStore::plain(store));
         match (s.name, backend) {
             ("Posix", None) => {
                 let cfg = PosixConfig::from_values(&v).map_err(cfg_err)?;
-                let store = Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?);
-                Ok(PyStore::plain(store.clone(), Some(store)))
+                plain(Arc::new(py.detach(|| PosixStore::open(cfg)).py_err()?))
             }
             ("Empty", None) => plain(Arc::new(EmptyStore::new(v.u64("timeout_ms")))),
             ("S3", None) => {
@@ -548,6 +535,17 @@ impl PyStore {
         py.detach(move || store.flush()).py_err()
     }
 
+    /// The store's facts (I/O engine, directories, a shared segment's path,
+    /// ...) as a dict of strings; a cache's backend facts are prefixed
+    /// `backend.`.
+    fn describe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in self.store.describe() {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
     /// The store's figures (hit rates, latencies, bytes per tier, ...) as
     /// a dict of floats; a cache's backend figures are prefixed `backend.`.
     fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -558,56 +556,6 @@ impl PyStore {
             d.set_item(k, v)?;
         }
         Ok(d)
-    }
-
-    /// Path of the shared-memory segment of a cache in shared mode.
-    #[getter]
-    fn shm_path(&self) -> Option<String> {
-        self.cache
-            .as_ref()
-            .and_then(|c| c.shm_path().map(str::to_string))
-    }
-
-    /// Number of slots of a cache (None for other stores).
-    #[getter]
-    fn cache_slots(&self) -> Option<usize> {
-        self.cache.as_ref().map(|c| c.slots())
-    }
-
-    /// Test hook: takes a cache's table lock and never returns. Only for
-    /// tests that kill the process to check recovery.
-    fn _debug_hold_lock_forever(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(c) = self.cache.clone() else {
-            return Err(invalid("not a cache store"));
-        };
-        py.detach(move || c.debug_hold_lock_forever())
-    }
-
-    /// Counters of a Posix store (empty dict for other stores).
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        if let Some(p) = &self.posix {
-            let s = p.stats();
-            d.set_item("blocks", s.blocks)?;
-            d.set_item("used_bytes", s.used_bytes)?;
-            d.set_item("shards_loaded", s.shards_loaded)?;
-            d.set_item("shards_dumped", s.shards_dumped)?;
-            d.set_item("blocks_committed", s.blocks_committed)?;
-            d.set_item("evictions", s.evictions)?;
-            d.set_item("corrupt_loads", s.corrupt_loads)?;
-            d.set_item("files_recycled", s.files_recycled)?;
-            d.set_item("io_engine", p.engine_name())?;
-        }
-        Ok(d)
-    }
-
-    /// Path of a block's file in a Posix store (None for other stores).
-    fn block_path(&self, block_id: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-        let id = one_id(block_id, 0)?;
-        Ok(self
-            .posix
-            .as_ref()
-            .map(|p| p.block_path(&id).display().to_string()))
     }
 }
 
@@ -716,6 +664,34 @@ impl Drop for PyStore {
     }
 }
 
+/// Test and tooling hook: where a block's file lives (None for stores
+/// that keep no files).
+#[pyfunction]
+fn debug_block_path(store: &PyStore, block_id: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    let id = one_id(block_id, 0)?;
+    Ok(store
+        .store
+        .debug()
+        .and_then(|d| d.block_path(&id))
+        .map(|p| p.display().to_string()))
+}
+
+/// Test hook: takes a shared cache's lock and never returns (the test kills
+/// the process to check recovery); raises for stores without such a lock.
+#[pyfunction]
+fn debug_hold_lock_forever(py: Python<'_>, store: &PyStore) -> PyResult<()> {
+    let s = store.store.clone();
+    let held = py.detach(move || s.debug().is_some_and(|d| d.hold_lock_forever()));
+    if held {
+        Ok(())
+    } else {
+        Err(invalid("this store has no lock to hold"))
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyStore>()
+    m.add_class::<PyStore>()?;
+    m.add_function(wrap_pyfunction!(debug_block_path, m)?)?;
+    m.add_function(wrap_pyfunction!(debug_hold_lock_forever, m)?)?;
+    Ok(())
 }

@@ -32,6 +32,26 @@ pub use posix::{PosixConfig, PosixStore};
 /// it into a dict. Counters are exact up to 2^53.
 pub type StoreStats = std::collections::BTreeMap<String, f64>;
 
+/// Named facts about a store that are not numbers (its I/O engine, its
+/// directories, a shared segment's path), for `describe` and tooling.
+pub type StoreFacts = std::collections::BTreeMap<String, String>;
+
+/// Hooks for tests and tools, outside the store API: what a store can tell
+/// about where it keeps a block, and the fault it can inject.
+pub trait StoreDebug {
+    /// Where the block's file lives, for stores that keep files.
+    fn block_path(&self, _id: &BlockId) -> Option<std::path::PathBuf> {
+        None
+    }
+
+    /// Takes the store's shared lock and never returns, for tests that
+    /// kill the process to check recovery; returns at once (false) where
+    /// there is no such lock.
+    fn hold_lock_forever(&self) -> bool {
+        false
+    }
+}
+
 /// The store interface. All methods are thread-safe.
 pub trait Store: Send + Sync {
     /// Human-readable store name (`"Posix"`, `"Empty"`).
@@ -75,5 +95,16 @@ pub trait Store: Send + Sync {
     /// The store's figures (see [`StoreStats`]); empty by default.
     fn stats(&self) -> StoreStats {
         StoreStats::new()
+    }
+
+    /// The store's facts (see [`StoreFacts`]); a store over another one
+    /// adds the other's under `backend.`. Empty by default.
+    fn describe(&self) -> StoreFacts {
+        StoreFacts::new()
+    }
+
+    /// The store's test and tooling hooks, if it has any.
+    fn debug(&self) -> Option<&dyn StoreDebug> {
+        None
     }
 }

@@ -78,7 +78,7 @@ use self::stats::{add, get, Counters};
 use self::table::{Geometry, Table, READY};
 use self::transport::Transport;
 use self::writeback::WriteBack;
-use super::{Store, StoreStats};
+use super::{Store, StoreDebug, StoreFacts, StoreStats};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
@@ -253,16 +253,6 @@ impl CacheStore {
     pub fn cached(&self, id: &BlockId) -> Result<bool> {
         let g = self.inner.table.lock()?;
         Ok(self.inner.block_cached(&g, id))
-    }
-
-    #[doc(hidden)]
-    /// Test hook: takes the table lock and never returns (the process is
-    /// expected to be killed), to exercise recovery from a dead lock owner.
-    pub fn debug_hold_lock_forever(&self) -> ! {
-        let _g = self.inner.table.lock();
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
-        }
     }
 
     fn ensure_open(&self) -> Result<()> {
@@ -581,6 +571,41 @@ impl Store for CacheStore {
             m.insert(format!("backend.{k}"), v);
         }
         m
+    }
+
+    fn describe(&self) -> StoreFacts {
+        let mut m = StoreFacts::new();
+        m.insert("slots".into(), self.slots().to_string());
+        m.insert(
+            "capacity_bytes".into(),
+            self.inner.cfg.capacity_bytes.to_string(),
+        );
+        if let Some(p) = self.shm_path() {
+            m.insert("shm_path".into(), p.to_string());
+        }
+        for (k, v) in self.inner.backend.describe() {
+            m.insert(format!("backend.{k}"), v);
+        }
+        m
+    }
+
+    fn debug(&self) -> Option<&dyn StoreDebug> {
+        Some(self)
+    }
+}
+
+impl StoreDebug for CacheStore {
+    fn block_path(&self, id: &BlockId) -> Option<std::path::PathBuf> {
+        self.inner.backend.debug()?.block_path(id)
+    }
+
+    /// Takes the table lock and never returns (the process is expected to
+    /// be killed), to exercise recovery from a dead lock owner.
+    fn hold_lock_forever(&self) -> bool {
+        let _g = self.inner.table.lock();
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
     }
 }
 

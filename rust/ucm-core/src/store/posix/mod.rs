@@ -44,7 +44,7 @@ use self::index::Index;
 use self::load::load_runs;
 use self::spare::SparePool;
 use self::writer::BlockWriter;
-use super::Store;
+use super::{Store, StoreDebug, StoreFacts, StoreStats};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::{build_engine, AlignedBuf, IoEngine, IoEngineConfig};
@@ -266,7 +266,7 @@ impl PosixStore {
     }
 
     /// Activity counters.
-    pub fn stats(&self) -> PosixStats {
+    pub fn counters(&self) -> PosixStats {
         let c = &self.shared.counters;
         PosixStats {
             blocks: self.shared.index.len() as u64,
@@ -283,11 +283,6 @@ impl PosixStore {
     /// The file geometry in use.
     pub fn layout(&self) -> &Layout {
         &self.shared.layout
-    }
-
-    /// Path of a block's published file (for tools and tests).
-    pub fn block_path(&self, id: &BlockId) -> std::path::PathBuf {
-        self.shared.paths.block(id)
     }
 
     /// The name of the I/O engine in use.
@@ -522,6 +517,45 @@ impl Store for PosixStore {
         self.shared.tasks.check(task)
     }
 
+    fn stats(&self) -> StoreStats {
+        let s = self.counters();
+        [
+            ("blocks", s.blocks),
+            ("used_bytes", s.used_bytes),
+            ("shards_loaded", s.shards_loaded),
+            ("shards_dumped", s.shards_dumped),
+            ("blocks_committed", s.blocks_committed),
+            ("evictions", s.evictions),
+            ("corrupt_loads", s.corrupt_loads),
+            ("files_recycled", s.files_recycled),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v as f64))
+        .collect()
+    }
+
+    fn describe(&self) -> StoreFacts {
+        let cfg = &self.shared.cfg;
+        let dirs: Vec<String> = cfg
+            .storage_backends
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        [
+            ("io_engine", self.engine_name().to_string()),
+            ("storage_backends", dirs.join(":")),
+            ("durability", format!("{:?}", cfg.durability).to_lowercase()),
+            ("work_token", self.shared.paths.token().to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    fn debug(&self) -> Option<&dyn StoreDebug> {
+        Some(self)
+    }
+
     fn close(&self) -> Result<()> {
         self.closed.store(true, Ordering::Release);
         let Some(mut rt) = self.runtime.lock().take() else {
@@ -559,6 +593,12 @@ impl Store for PosixStore {
         }
         drop(rt.engine);
         Ok(())
+    }
+}
+
+impl StoreDebug for PosixStore {
+    fn block_path(&self, id: &BlockId) -> Option<std::path::PathBuf> {
+        Some(self.shared.paths.block(id))
     }
 }
 
