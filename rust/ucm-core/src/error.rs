@@ -11,6 +11,31 @@ use std::path::PathBuf;
 /// Result alias used across the core.
 pub type Result<T, E = UcmError> = std::result::Result<T, E>;
 
+/// Why stored bytes were refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Damage {
+    /// Not a regular file of the block's length (a symlink, FIFO, device,
+    /// directory, or another user's file in strict mode).
+    NotBlockFile,
+    /// Shorter than the block.
+    Truncated,
+    /// A header that fails its own checks (magic, version, self checksum,
+    /// shard index).
+    BadHeader,
+    /// The header names another block.
+    ForeignBlock,
+    /// Written by a store with another layout: valid for its writer, so it
+    /// is not deleted.
+    OtherLayout,
+    /// The data does not match its checksum.
+    Checksum,
+    /// The stored block is intact, but the caller changed the destination
+    /// memory while the shard was arriving.
+    DestinationChanged,
+    /// Reported by a store written in Python, which gave no finer reason.
+    Reported,
+}
+
 /// Every error the core can report. Each variant names what went wrong and
 /// where (the key, path or block) so that a message alone is actionable.
 #[derive(Debug, thiserror::Error, Clone)]
@@ -58,9 +83,19 @@ pub enum UcmError {
     /// A task ran past its `timeout_ms` (counted from submit).
     #[error("timeout: {0}")]
     Timeout(String),
-    /// Stored bytes failed verification (magic, layout, id or checksum).
-    #[error("corrupt block: {0}")]
-    Corrupt(String),
+    /// Stored bytes were refused: not a block file, truncated, or failing
+    /// the header or checksum checks.
+    #[error("corrupt block: {detail}")]
+    Corrupt {
+        /// The block, where known.
+        block: Option<crate::block::BlockId>,
+        /// The shard, where known.
+        shard: Option<usize>,
+        /// What is wrong, for callers that act on it.
+        damage: Damage,
+        /// The whole message, naming the block, shard and file.
+        detail: String,
+    },
     /// The store has been closed.
     #[error("store closed")]
     Closed,
@@ -79,7 +114,7 @@ impl UcmError {
             UcmError::Unsupported(_) => -50008,
             UcmError::NoSpace(_) => -50009,
             UcmError::Timeout(_) => -50010,
-            UcmError::Corrupt(_) => -50011,
+            UcmError::Corrupt { .. } => -50011,
             UcmError::Closed => -50012,
         }
     }
@@ -98,6 +133,21 @@ impl UcmError {
                 path,
                 source: std::sync::Arc::new(err),
             },
+        }
+    }
+
+    /// A [`UcmError::Corrupt`].
+    pub fn corrupt(
+        damage: Damage,
+        block: Option<crate::block::BlockId>,
+        shard: Option<usize>,
+        detail: impl Into<String>,
+    ) -> Self {
+        UcmError::Corrupt {
+            block,
+            shard,
+            damage,
+            detail: detail.into(),
         }
     }
 

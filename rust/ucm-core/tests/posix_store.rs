@@ -7,9 +7,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use ucm_core::error::Damage;
 use ucm_core::io::IoEngineKind;
 use ucm_core::store::{PosixConfig, PosixStore, Store};
-use ucm_core::{BlockId, MemSeg, ShardIo};
+use ucm_core::{BlockId, MemSeg, ShardIo, UcmError};
 
 const SHARD: usize = 64 * 1024;
 
@@ -381,6 +382,15 @@ fn foreign_block_and_other_layout_are_rejected() {
         .unwrap();
     let err = other.wait(t).unwrap_err();
     assert!(err.to_string().contains("another layout"), "{err}");
+    // Valid for the store that wrote it: refused, never deleted.
+    assert!(matches!(
+        err,
+        UcmError::Corrupt {
+            damage: Damage::OtherLayout,
+            ..
+        }
+    ));
+    assert!(block_path(&other, &id(1)).exists());
 }
 
 #[test]

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+use ucm_core::error::Damage;
 use ucm_core::store::{Store, StoreStats};
 use ucm_core::task::TaskId;
 use ucm_core::{BlockId, ShardIo, UcmError};
@@ -63,7 +64,7 @@ impl PyStage {
             Some(-50008) => UcmError::Unsupported(msg),
             Some(-50009) => UcmError::NoSpace(msg),
             Some(-50010) => UcmError::Timeout(msg),
-            Some(-50011) => UcmError::Corrupt(msg),
+            Some(-50011) => UcmError::corrupt(Damage::Reported, None, None, msg),
             Some(-50012) => UcmError::Closed,
             _ => UcmError::TaskFailed(msg),
         }

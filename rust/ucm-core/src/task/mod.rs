@@ -328,7 +328,12 @@ mod tests {
         let t = reg.create("dump", 3);
         t.complete_unit(Err(UcmError::NoSpace("disk".into())));
         assert!(t.should_skip());
-        t.complete_unit(Err(UcmError::Corrupt("later".into())));
+        t.complete_unit(Err(UcmError::corrupt(
+            crate::error::Damage::Checksum,
+            None,
+            None,
+            "later",
+        )));
         t.skip_unit();
         let err = reg.wait(t.id()).unwrap_err();
         assert_eq!(err.code(), -50009);

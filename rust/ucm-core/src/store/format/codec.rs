@@ -12,7 +12,7 @@
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::block::{BlockId, ShardIo};
-use crate::error::{Result, UcmError};
+use crate::error::{Damage, Result, UcmError};
 use crate::store::format::layout::{Layout, ShardHeader, HEADER_LEN};
 
 /// Bytes of a region that a load must read: the header and the data
@@ -56,7 +56,13 @@ pub unsafe fn encode_region(layout: &Layout, shard: &ShardIo, out: &mut [u8]) {
 /// layout" (a differently configured engine sharing the bucket or export):
 /// such a block is valid for its writer and must not be deleted.
 pub fn is_layout_mismatch(e: &UcmError) -> bool {
-    matches!(e, UcmError::Corrupt(m) if m.contains("another layout"))
+    matches!(
+        e,
+        UcmError::Corrupt {
+            damage: Damage::OtherLayout,
+            ..
+        }
+    )
 }
 
 /// Verifies a region read back (`raw` holds at least [`read_len`] bytes:
@@ -69,20 +75,30 @@ pub fn is_layout_mismatch(e: &UcmError) -> bool {
 pub unsafe fn decode_region(layout: &Layout, shard: &ShardIo, raw: &[u8]) -> Result<()> {
     let need = read_len(layout);
     if raw.len() < need {
-        return Err(UcmError::Corrupt(format!(
-            "block {} shard {}: object is truncated ({} of {need} bytes)",
-            shard.block,
-            shard.index,
-            raw.len()
-        )));
+        return Err(UcmError::corrupt(
+            Damage::Truncated,
+            Some(shard.block),
+            Some(shard.index),
+            format!(
+                "block {} shard {}: object is truncated ({} of {need} bytes)",
+                shard.block,
+                shard.index,
+                raw.len()
+            ),
+        ));
     }
     let hdr = ShardHeader::decode_expect(&raw[..HEADER_LEN], &shard.block, shard.index, layout)?;
     let data = &raw[HEADER_LEN..need];
     if xxh3_64(data) != hdr.checksum {
-        return Err(UcmError::Corrupt(format!(
-            "block {} shard {}: data checksum mismatch",
-            shard.block, shard.index
-        )));
+        return Err(UcmError::corrupt(
+            Damage::Checksum,
+            Some(shard.block),
+            Some(shard.index),
+            format!(
+                "block {} shard {}: data checksum mismatch",
+                shard.block, shard.index
+            ),
+        ));
     }
     let mut off = 0;
     for s in &shard.segs {

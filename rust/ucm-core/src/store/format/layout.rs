@@ -21,7 +21,7 @@
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::block::{BlockId, MemSeg};
-use crate::error::{Result, UcmError};
+use crate::error::{Damage, Result, UcmError};
 
 /// Size of the per-shard header region (one O_DIRECT-aligned block).
 pub const HEADER_LEN: usize = 4096;
@@ -157,8 +157,10 @@ impl ShardHeader {
         layout: &Layout,
     ) -> Result<ShardHeader> {
         let where_ = || format!("block {block} shard {index}");
+        let bad =
+            |damage, detail: String| UcmError::corrupt(damage, Some(*block), Some(index), detail);
         if raw.len() < ENCODED_LEN || &raw[0..8] != MAGIC {
-            return Err(UcmError::Corrupt(format!("{}: bad magic", where_())));
+            return Err(bad(Damage::BadHeader, format!("{}: bad magic", where_())));
         }
         let u32_at = |o: usize| u32::from_le_bytes([raw[o], raw[o + 1], raw[o + 2], raw[o + 3]]);
         let u64_at = |o: usize| {
@@ -167,17 +169,20 @@ impl ShardHeader {
             u64::from_le_bytes(b)
         };
         if u64_at(64) != xxh3_64(&raw[..64]) {
-            return Err(UcmError::Corrupt(format!(
-                "{}: header checksum mismatch",
-                where_()
-            )));
+            return Err(bad(
+                Damage::BadHeader,
+                format!("{}: header checksum mismatch", where_()),
+            ));
         }
         let version = u32_at(8);
         if version != VERSION {
-            return Err(UcmError::Corrupt(format!(
-                "{}: format version {version}, this build reads {VERSION}",
-                where_()
-            )));
+            return Err(bad(
+                Damage::BadHeader,
+                format!(
+                    "{}: format version {version}, this build reads {VERSION}",
+                    where_()
+                ),
+            ));
         }
         let mut id = [0u8; 16];
         id.copy_from_slice(&raw[16..32]);
@@ -190,22 +195,26 @@ impl ShardHeader {
             checksum: u64_at(56),
         };
         if hdr.block != *block {
-            return Err(UcmError::Corrupt(format!(
-                "{}: file holds foreign block {}",
-                where_(),
-                hdr.block
-            )));
+            return Err(bad(
+                Damage::ForeignBlock,
+                format!("{}: file holds foreign block {}", where_(), hdr.block),
+            ));
         }
         if hdr.index as usize != index || hdr.count as usize != layout.shard_count {
-            return Err(UcmError::Corrupt(format!(
-                "{}: header says shard {} of {}",
-                where_(),
-                hdr.index,
-                hdr.count
-            )));
+            return Err(bad(
+                Damage::BadHeader,
+                format!(
+                    "{}: header says shard {} of {}",
+                    where_(),
+                    hdr.index,
+                    hdr.count
+                ),
+            ));
         }
         if hdr.fingerprint != layout.fingerprint || hdr.shard_size as usize != layout.shard_size {
-            return Err(UcmError::Corrupt(format!(
+            return Err(bad(
+                Damage::OtherLayout,
+                format!(
                 "{}: written with another layout (shard size {}, fingerprint {:016x}; expected {} / {:016x})",
                 where_(),
                 hdr.shard_size,

@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::block::{BlockId, MemSeg};
-use crate::error::{Result, UcmError};
+use crate::error::{Damage, Result, UcmError};
 use crate::io::DIRECT_ALIGN;
 use crate::store::safe_fs::open_nofollow;
 pub use crate::store::safe_fs::{euid, kind_of, remove_entry};
@@ -287,19 +287,18 @@ impl Opener {
                 ),
             ));
         }
-        if meta.len() < len {
-            return Err(UcmError::Corrupt(format!(
-                "{}: file is truncated ({} of {len} bytes)",
-                path.display(),
-                meta.len()
-            )));
-        }
-        if meta.len() > len {
-            return Err(UcmError::Corrupt(format!(
-                "{} is {} bytes, a block file is {len}",
-                path.display(),
-                meta.len()
-            )));
+        if meta.len() != len {
+            let (damage, what) = if meta.len() < len {
+                (Damage::Truncated, "file is truncated")
+            } else {
+                (Damage::NotBlockFile, "file is longer than a block")
+            };
+            return Err(UcmError::corrupt(
+                damage,
+                None,
+                None,
+                format!("{}: {what} ({} of {len} bytes)", path.display(), meta.len()),
+            ));
         }
         Ok(())
     }
@@ -340,10 +339,15 @@ impl Opener {
 }
 
 fn foreign(path: &Path, what: &str) -> UcmError {
-    UcmError::Corrupt(format!(
-        "{} is {what}, not a block file this store reads",
-        path.display()
-    ))
+    UcmError::corrupt(
+        Damage::NotBlockFile,
+        None,
+        None,
+        format!(
+            "{} is {what}, not a block file this store reads",
+            path.display()
+        ),
+    )
 }
 
 /// Takes an exclusive `flock` on `file` without waiting: true when taken.

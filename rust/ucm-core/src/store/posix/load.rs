@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::index;
 use super::{files, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
-use crate::error::{Result, UcmError};
+use crate::error::{Damage, Result, UcmError};
 use crate::io::{IoEngine, IoOp, IoRequest};
 use crate::store::format::layout::{checksum_segs, ShardHeader, HEADER_LEN};
 use crate::task::Task;
@@ -37,7 +37,7 @@ impl Shared {
                 if e.code() == -50005 {
                     // Evicted or deleted behind our back.
                     self.index.remove(block);
-                } else if matches!(e, UcmError::Corrupt(_)) {
+                } else if matches!(e, UcmError::Corrupt { .. }) {
                     // Not a block file (a symlink, FIFO, device, directory,
                     // a file of the wrong size): it would fail every later
                     // load, and the next dump of the block replaces it.
@@ -219,10 +219,15 @@ impl Shared {
         let path = || self.paths.block(&shard.block);
         let verdict = match res {
             Err(e) => Err(UcmError::os("read", path(), e)),
-            Ok(n) if n < expected => Err(UcmError::Corrupt(format!(
-                "block {} shard {}: file is truncated ({n} of {expected} bytes)",
-                shard.block, shard.index
-            ))),
+            Ok(n) if n < expected => Err(UcmError::corrupt(
+                Damage::Truncated,
+                Some(shard.block),
+                Some(shard.index),
+                format!(
+                    "block {} shard {}: file is truncated ({n} of {expected} bytes)",
+                    shard.block, shard.index
+                ),
+            )),
             Ok(_) => ShardHeader::decode_expect(head, &shard.block, shard.index, &self.layout)
                 .and_then(|hdr| {
                     let sum = if bounced {
@@ -233,10 +238,15 @@ impl Shared {
                         unsafe { checksum_segs(&shard.segs) }
                     };
                     if sum != hdr.checksum {
-                        return Err(UcmError::Corrupt(format!(
-                            "block {} shard {}: data checksum mismatch",
-                            shard.block, shard.index
-                        )));
+                        return Err(UcmError::corrupt(
+                            Damage::Checksum,
+                            Some(shard.block),
+                            Some(shard.index),
+                            format!(
+                                "block {} shard {}: data checksum mismatch",
+                                shard.block, shard.index
+                            ),
+                        ));
                     }
                     Ok(())
                 }),
@@ -268,21 +278,34 @@ impl Shared {
                         unsafe { std::ptr::write_bytes(s.addr as *mut u8, 0, s.len) };
                     }
                 }
-                if matches!(e, UcmError::Corrupt(_)) && !bounced && self.file_verifies(shard) {
+                let damage = match &e {
+                    UcmError::Corrupt { damage, .. } => Some(*damage),
+                    _ => None,
+                };
+                if damage.is_some() && !bounced && self.file_verifies(shard) {
                     // The bytes were verified in the caller's memory, which
                     // the caller changed while they were arriving (a race in
                     // the caller, e.g. writing a block it is loading): the
                     // stored block is intact and stays.
-                    let e = UcmError::Corrupt(format!(
-                        "block {} shard {}: the destination memory changed while the shard \
-                         was being loaded (the stored block is intact)",
-                        shard.block, shard.index
-                    ));
+                    let e = UcmError::corrupt(
+                        Damage::DestinationChanged,
+                        Some(shard.block),
+                        Some(shard.index),
+                        format!(
+                            "block {} shard {}: the destination memory changed while the \
+                             shard was being loaded (the stored block is intact)",
+                            shard.block, shard.index
+                        ),
+                    );
                     task.record_error(e.clone());
                     log::warn!("{e}");
                     return Err(e);
                 }
-                if matches!(e, UcmError::Corrupt(_)) {
+                if damage == Some(Damage::OtherLayout) {
+                    // Valid for the store that wrote it (a differently
+                    // configured engine sharing the directory): left alone.
+                    task.record_error(e.clone());
+                } else if damage.is_some() {
                     // Fail the task first: once the file is gone, the task's
                     // other shards would report "not found" instead.
                     task.record_error(e.clone());
