@@ -66,6 +66,35 @@ def run_child(code: str, *args: str, timeout: float = 120) -> subprocess.Complet
     )
 
 
+def traced(tmp_path: Path, name: str, syscalls: str, code: str, *args: str) -> list[str]:
+    """Runs ``code`` in a child under strace; the traced calls' lines."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    out = tmp_path / f"trace-{name}"
+    res = subprocess.run(
+        [
+            strace,
+            "-f",
+            "-qq",
+            "-e",
+            f"trace={syscalls}",
+            "-o",
+            str(out),
+            sys.executable,
+            "-c",
+            textwrap.dedent(code),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    return out.read_text().splitlines()
+
+
 PLANT_AND_DUMP = """
     import os, sys, glob
     from pathlib import Path
@@ -365,9 +394,6 @@ def test_strict_refuses_block_files_of_other_users(tmp_path: Path, make_store) -
 
 
 def test_syncs_follow_durability(tmp_path: Path) -> None:
-    strace = shutil.which("strace")
-    if strace is None:
-        pytest.skip("strace is not installed")
     code = """
         import sys
         from pathlib import Path
@@ -387,29 +413,8 @@ def test_syncs_follow_durability(tmp_path: Path) -> None:
     """
     counts = {}
     for mode in ("none", "data", "full"):
-        out = tmp_path / f"trace-{mode}"
-        res = subprocess.run(
-            [
-                strace,
-                "-f",
-                "-qq",
-                "-e",
-                "trace=fsync,fdatasync",
-                "-o",
-                str(out),
-                sys.executable,
-                "-c",
-                textwrap.dedent(code),
-                str(tmp_path / mode),
-                mode,
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
-            timeout=120,
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        calls = [line for line in out.read_text().splitlines() if "sync(" in line]
+        lines = traced(tmp_path, mode, "fsync,fdatasync", code, str(tmp_path / mode), mode)
+        calls = [line for line in lines if "sync(" in line]
         counts[mode] = (
             sum("fdatasync(" in c for c in calls),
             sum("fsync(" in c and "fdatasync(" not in c for c in calls),
@@ -439,9 +444,6 @@ def test_lookup_only_store_leaves_the_directory_alone(tmp_path: Path, make_store
 def test_lookup_of_many_missing_ids_lists_directories_instead_of_stat_per_id(
     tmp_path: Path,
 ) -> None:
-    strace = shutil.which("strace")
-    if strace is None:
-        pytest.skip("strace is not installed")
     code = """
         import os, sys
         from pathlib import Path
@@ -468,32 +470,10 @@ def test_lookup_of_many_missing_ids_lists_directories_instead_of_stat_per_id(
         assert found[1234] and sum(found) == 1, sum(found)
         print("ok")
     """
-    out = tmp_path / "trace"
-    res = subprocess.run(
-        [
-            strace,
-            "-f",
-            "-qq",
-            "-e",
-            "trace=statx,newfstatat,lstat,stat,getdents64",
-            "-o",
-            str(out),
-            sys.executable,
-            "-c",
-            textwrap.dedent(code),
-            str(tmp_path / "store"),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
-        timeout=600,
+    lines = traced(
+        tmp_path, "lookup", "statx,newfstatat,lstat,stat,getdents64", code, str(tmp_path / "store")
     )
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
-    block_dirs = [
-        line
-        for line in out.read_text().splitlines()
-        if "/store/" in line and "site-packages" not in line
-    ]
-    stats = [line for line in block_dirs if "getdents64" not in line]
+    under_store = [line for line in lines if "/store/" in line and "site-packages" not in line]
+    stats = [line for line in under_store if "getdents64" not in line]
     # 200,000 misses over 256 directories: listed, not probed one by one.
     assert len(stats) < 5000, f"{len(stats)} stat calls under the store"
