@@ -101,10 +101,24 @@ def test_address_matrix_shape_is_checked(make_store) -> None:
         store.dump_data([b"a" * 16], [0], np.zeros((1, 2), dtype=np.uint64))
 
 
-def test_missing_directory_is_named(tmp_path: Path) -> None:
-    missing = tmp_path / "nope"
-    with pytest.raises(InvalidParamError, match=rf"storage_backends\[0\].*{missing}"):
-        UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(missing))
+def test_missing_directory_is_created_private_or_named(tmp_path: Path) -> None:
+    # As the README's example writes it: the directory does not exist yet.
+    missing = tmp_path / "data" / "kvcache"
+    store = UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(missing))
+    store.close()
+    assert missing.is_dir()
+    assert (missing.stat().st_mode & 0o777) == 0o700
+    assert ((tmp_path / "data").stat().st_mode & 0o777) == 0o700
+    # A lookup-only store creates nothing.
+    other = tmp_path / "not-made"
+    with pytest.raises(InvalidParamError, match=rf"storage_backends\[0\].*{other}"):
+        UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(other, device_id=-1))
+    assert not other.exists()
+    # One that can't be created is named.
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "kv"
+    with pytest.raises(InvalidParamError, match=rf"storage_backends\[0\].*{bad}.*can't be created"):
+        UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(bad))
 
 
 def test_unwritable_directory_is_named(small_tmpfs) -> None:

@@ -26,6 +26,13 @@ from ucm.store import (
 )
 
 
+#: Children import the test helpers (``support``) and the same ``ucm`` as
+#: this process.
+CHILD_PYTHONPATH = os.pathsep.join(
+    p for p in (str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")) if p
+)
+
+
 def block(seed: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
@@ -62,7 +69,7 @@ def run_child(code: str, *args: str, timeout: float = 120) -> subprocess.Complet
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH},
     )
 
 
@@ -88,7 +95,7 @@ def traced(tmp_path: Path, name: str, syscalls: str, code: str, *args: str) -> l
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH},
         timeout=600,
     )
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
@@ -120,8 +127,10 @@ PLANT_AND_DUMP = """
                 new = Path(work) / f"{h}.{seq}"
                 if not new.exists():
                     new.symlink_to(victim)
-    # Spare files replaced by symlinks to the victim.
-    for spare in glob.glob(str(root / ".work" / "*" / "spare.*")):
+    # Spare files replaced by symlinks to the victim (where this version
+    # keeps them, and where older versions did).
+    spares = glob.glob(str(root / ".work" / "*" / "spare.*"))
+    for spare in spares + glob.glob(str(root / ".spare" / "spare.*")):
         os.unlink(spare)
         os.symlink(victim, spare)
     data = torch.full((SHARDS, SHARD), 7, dtype=torch.uint8)
@@ -314,7 +323,7 @@ def test_a_store_in_another_pid_namespace_keeps_its_spare_files(tmp_path: Path) 
         pytest.skip(f"no PID namespaces here: {probe.stderr.decode().strip()}")
     root = tmp_path / "store"
     root.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     a = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(HOLD_OPEN), str(root)],
         stdin=subprocess.PIPE,

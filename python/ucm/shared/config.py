@@ -107,6 +107,14 @@ def _convert(key: str, value: Any, tp: Any, source: str) -> Any:
     raise ConfigError(f"{key} ({source}): unsupported config type {tp!r}")
 
 
+def did_you_mean(name: str, valid: Any) -> str:
+    """`` (did you mean 'x'?)`` when one of ``valid`` is close to ``name``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def ranged(default: Any, lo: float, hi: float) -> Any:
     """A dataclass field whose value must lie in ``lo..=hi``, checked by
     :func:`build_dataclass` (the range is declared with the key)."""

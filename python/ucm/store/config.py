@@ -24,7 +24,6 @@ be detected.
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm import _native
-from ucm.shared.config import ConfigError, load_yaml
+from ucm.shared.config import ConfigError, did_you_mean, load_yaml
 
 PIPELINE_KEYS = ("store_pipeline",)
 GIB = 1 << 30
@@ -171,7 +170,7 @@ class PipelineStoreConfig:
             else:
                 valid = sorted({s.name for s in builtin.values()} | set(extra))
                 raise ConfigError(
-                    f"store_pipeline ({source}): unknown stage {name!r}{_did_you_mean(name, valid)}"
+                    f"store_pipeline ({source}): unknown stage {name!r}{did_you_mean(name, valid)}"
                     f"; valid stages: {', '.join(valid)} or a store registered with "
                     "UcmConnectorFactory"
                 )
@@ -179,7 +178,7 @@ class PipelineStoreConfig:
         if unknown and not open_ended:
             raise ConfigError(
                 f"unknown config key {unknown[0]!r} ({source}) for store_pipeline "
-                f"{pipeline!r}{_did_you_mean(unknown[0], known)}; valid keys: "
+                f"{pipeline!r}{did_you_mean(unknown[0], known)}; valid keys: "
                 f"{', '.join(sorted(known))}"
             )
         stages: list[tuple[str, Any]] = []
@@ -212,11 +211,6 @@ def _check_order(names: list[str], pipeline: str, source: str) -> None:
             f"store_pipeline ({source}): 'Cache' needs a stage below it, "
             "e.g. 'Cache|Posix' or 'Cache|Empty'"
         )
-
-
-def _did_you_mean(name: str, valid: Any) -> str:
-    close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def all_stage_keys() -> set[str]:

@@ -37,13 +37,18 @@ def _patch_version() -> None:
     md.version = version  # type: ignore[assignment]
 
 
-def main() -> int:
+def run_vllm(args: list[str]) -> int:
+    """Runs vLLM's command line with ``args`` (``["serve", MODEL, ...]``)."""
     _patch_version()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv[0] = "vllm"
+    sys.argv = ["vllm", *args]
     result = vllm_main()
     return int(result or 0)
+
+
+def main() -> int:
+    return run_vllm(sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm.hashing import HASH_ALGOS
-from ucm.shared.config import ConfigError, build_dataclass, load_yaml, ranged
+from ucm.shared.config import ConfigError, build_dataclass, did_you_mean, load_yaml, ranged
 from ucm.shared.logging import get_logger
 
 logger = get_logger(__name__)
@@ -46,7 +46,15 @@ DEFAULT_STORE_NAME = "UcmPipelineStore"
 # Store keys the connector derives from the model; users must not set them.
 CONNECTOR_OWNED_STORE_KEYS = ("block_size", "shard_size", "tensor_size", "tensor_size_list")
 # Environment variables with the UCM_ prefix that are not config keys.
-_NON_CONFIG_ENV = {CONFIG_FILE_KEY, "UCM_LOG_PATH", "UCM_LOG_MAX_FILES", "UCM_LOG_MAX_SIZE"}
+_NON_CONFIG_ENV = {
+    CONFIG_FILE_KEY,
+    "UCM_LOG_PATH",
+    "UCM_LOG_MAX_FILES",
+    "UCM_LOG_MAX_SIZE",
+    "UCM_ALLOW_UNSUPPORTED_VLLM",
+    "UCM_SKIP_VLLM",
+    "UCM_SKIP_APT",
+}
 
 
 def default_storage_dir() -> str:
@@ -222,9 +230,13 @@ def _split_source(values: Mapping[str, Any], source: str, skeys: set[str]) -> _L
         elif key in skeys or key in CONNECTOR_OWNED_STORE_KEYS or key == "device_id":
             layer.store[key] = value
         else:
-            valid = sorted(set(TOP_LEVEL_KEYS) | skeys)
+            # Keys the connector sets itself are valid store keys, but not
+            # for a user: they are not offered.
+            owned = {*CONNECTOR_OWNED_STORE_KEYS, "device_id"}
+            valid = sorted((set(TOP_LEVEL_KEYS) | skeys) - owned)
             raise ConfigError(
-                f"unknown config key {key!r} ({source}); valid keys: {', '.join(valid)}"
+                f"unknown config key {key!r} ({source}){did_you_mean(key, valid)}; "
+                f"valid keys: {', '.join(valid)}"
             )
     for key in (*CONNECTOR_OWNED_STORE_KEYS, "device_id"):
         if key in layer.store:
@@ -245,6 +257,12 @@ def _env_layer(env: Mapping[str, str], skeys: set[str]) -> _Layer:
             continue
         key = wanted.get(var[len(ENV_PREFIX) :])
         if key is None:
+            names_ = [ENV_PREFIX + w for w in wanted]
+            logger.warning(
+                "environment variable %s matches no UCM config key and is ignored%s",
+                var,
+                did_you_mean(var, names_),
+            )
             continue
         values[key] = raw
         names[key] = var

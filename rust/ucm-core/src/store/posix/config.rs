@@ -185,6 +185,39 @@ impl PosixConfig {
         })
     }
 
+    /// Creates the storage directories that don't exist yet (mode 0700 for
+    /// each directory it makes), as the connector always did for its
+    /// default store. A lookup-only store creates nothing.
+    pub fn create_missing_roots(&self) -> Result<()> {
+        if !self.transfers_enabled() {
+            return Ok(());
+        }
+        for (i, dir) in self.storage_backends.iter().enumerate() {
+            if std::fs::symlink_metadata(dir).is_ok() {
+                continue;
+            }
+            let mut missing = Vec::new();
+            let mut at = Some(dir.as_path());
+            while let Some(p) = at {
+                if p.as_os_str().is_empty() || std::fs::symlink_metadata(p).is_ok() {
+                    break;
+                }
+                missing.push(p.to_path_buf());
+                at = p.parent();
+            }
+            for p in missing.iter().rev() {
+                crate::store::posix::files::make_private_dir(p).map_err(|e| {
+                    UcmError::invalid(format!(
+                        "storage_backends[{i}]: directory {} does not exist and can't be \
+                         created: {e}",
+                        dir.display()
+                    ))
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     /// Checks sizes and directories; errors name the key and the value.
     pub fn validate(&self) -> Result<()> {
         if self.storage_backends.is_empty() {

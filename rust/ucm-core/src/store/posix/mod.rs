@@ -130,6 +130,7 @@ impl PosixStore {
     /// Validates `cfg`, prepares the directories, rebuilds the index from
     /// what is on disk and starts the threads.
     pub fn open(cfg: PosixConfig) -> Result<Self> {
+        cfg.create_missing_roots()?;
         cfg.validate()?;
         let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
         let paths = Paths::new(cfg.storage_backends.clone());

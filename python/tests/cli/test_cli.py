@@ -1,0 +1,140 @@
+"""The ``ucm`` command: serve's vLLM command line, config checks with the
+connector's messages, the early check vLLM runs as a plugin, and bench."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ucm.cli import main
+from ucm.cli.serve_cmd import build_vllm_args, cpu_kv_bytes
+from ucm.integration.vllm.config import resolve_config
+from ucm.integration.vllm.plugin import check_early, transfer_config_from_argv
+from ucm.shared.config import ConfigError
+
+#: The design document's connector YAML, verbatim but for the directory.
+SEED_YAML = """\
+ucm_connectors:
+  - ucm_connector_name: "UcmPipelineStore"
+    ucm_connector_config:
+      store_pipeline: "Cache|Posix"
+      storage_backends: "{store}"
+      buffer_number: 2048
+ucm_sparse_config:
+  ESA:
+    sparse_ratio: 0.3
+    local_window_sz: 2
+    retrieval_stride: 5
+metrics_config_path: "./metrics_config.yaml"
+load_only_first_rank: false
+use_layerwise: true
+"""
+
+
+def seed_config(tmp_path: Path, metrics: bool = True) -> Path:
+    path = tmp_path / "ucm.yaml"
+    path.write_text(SEED_YAML.format(store=tmp_path / "ucm_cache"))
+    if metrics:
+        (tmp_path / "metrics_config.yaml").write_text("enabled: true\n")
+    return path
+
+
+def test_help_everywhere() -> None:
+    runner = CliRunner()
+    for args in (
+        [],
+        ["serve"],
+        ["store"],
+        ["config"],
+        ["config", "check"],
+        ["config", "keys"],
+        ["bench"],
+    ):
+        res = runner.invoke(main, [*args, "--help"])
+        assert res.exit_code == 0, (args, res.output)
+        assert "Usage:" in res.output
+    res = subprocess.run([sys.executable, "-m", "ucm", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "serve" in res.stdout
+
+
+def test_serve_wires_the_connector_and_a_cpu_kv_size(tmp_path: Path) -> None:
+    cfg = seed_config(tmp_path)
+    argv, env = build_vllm_args(
+        "m", ("--port", "8001"), config_file=str(cfg), storage=None, layerwise=False, cpu=True
+    )
+    assert argv[:4] == ["serve", "m", "--port", "8001"]
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "UCMConnector"
+    assert int(argv[argv.index("--kv-cache-memory-bytes") + 1]) == cpu_kv_bytes()
+    assert env["UCM_CONFIG_FILE"] == str(cfg.resolve())
+    # What the user gives is kept; a GPU build gets no CPU cache size.
+    argv, _ = build_vllm_args(
+        "m",
+        ("--kv-cache-memory-bytes", "123", "--kv-transfer-config", "{}"),
+        config_file=None,
+        storage="/d",
+        layerwise=True,
+        cpu=True,
+    )
+    assert argv.count("--kv-cache-memory-bytes") == 1 and argv.count("--kv-transfer-config") == 1
+    argv, _ = build_vllm_args("m", (), config_file=None, storage="/d", layerwise=True, cpu=False)
+    assert "--kv-cache-memory-bytes" not in argv
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra == {"storage_backends": "/d", "use_layerwise": True}
+    res = CliRunner().invoke(main, ["serve", "m", "--dry-run", "--storage", "/d"])
+    assert res.exit_code == 0 and "vllm serve m" in res.output
+
+
+def test_config_check_accepts_the_design_documents_yaml(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["config", "check", str(seed_config(tmp_path))])
+    assert res.exit_code == 0, res.output
+    assert "store.buffer_number" in res.output and f"YAML {tmp_path}" in res.output
+
+
+def test_config_check_fails_with_the_connectors_message(tmp_path: Path) -> None:
+    cfg = seed_config(tmp_path, metrics=False)
+    res = CliRunner().invoke(main, ["config", "check", str(cfg)])
+    assert res.exit_code == 1
+    assert "metrics_config_path" in res.output and str(tmp_path) in res.output
+    res = CliRunner().invoke(main, ["config", "check", "--extra", '{"use_layerwsie": true}'])
+    assert res.exit_code == 1
+    assert "did you mean 'use_layerwise'?" in res.output
+    # Keys the connector sets from the model are not offered to users.
+    valid = res.output.split("valid keys:")[1]
+    assert "block_size" not in valid and "device_id" not in valid
+
+
+def test_misspelled_environment_variables_are_named(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        resolve_config({}, env={"UCM_USE_LAYERWSIE": "1"})
+    text = caplog.text
+    assert "UCM_USE_LAYERWSIE" in text and "UCM_USE_LAYERWISE" in text
+
+
+def test_vllm_plugin_checks_the_command_line_before_anything_loads(tmp_path: Path) -> None:
+    good = {"kv_connector": "UCMConnector", "kv_connector_extra_config": {"use_layerwise": True}}
+    argv = ["vllm", "serve", "m", "--kv-transfer-config", json.dumps(good)]
+    assert transfer_config_from_argv(argv) == good
+    check_early(argv)  # fine
+    bad = {"kv_connector": "UCMConnector", "kv_connector_extra_config": {"io_thread": 4}}
+    with pytest.raises(SystemExit, match=r"UCM config error.*io_thread.*did you mean 'io_threads'"):
+        check_early(["vllm", "serve", "m", f"--kv-transfer-config={json.dumps(bad)}"])
+    # Another connector's config is none of its business.
+    check_early(["vllm", "serve", "m", "--kv-transfer-config", '{"kv_connector": "Other"}'])
+    with pytest.raises(ConfigError):
+        resolve_config({"io_thread": 4}, env={})
+
+
+def test_bench_reports_the_store_against_the_disk(tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        main, ["bench", str(tmp_path), "--mib", "8", "--rounds", "1", "--buffered"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "dump" in res.output and "disk write" in res.output
+    assert list(tmp_path.iterdir()) == [], "the scratch directory stays"

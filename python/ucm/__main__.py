@@ -1,0 +1,5 @@
+"""``python -m ucm``: the ``ucm`` command."""
+
+from ucm.cli import main
+
+main()

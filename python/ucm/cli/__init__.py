@@ -1,0 +1,30 @@
+"""The ``ucm`` command (also ``python -m ucm``): serve vLLM with the
+connector, look after a store, check a config, measure a directory.
+
+Built on click, a well-kept CLI library: ``--help`` on every command, exit
+codes, and prompts come with it.
+"""
+
+from __future__ import annotations
+
+import click
+
+from ucm.cli.bench_cmd import bench
+from ucm.cli.config_cmd import config
+from ucm.cli.serve_cmd import serve
+from ucm.cli.store_cmd import store
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ucm", prog_name="ucm")
+def main() -> None:
+    """Unified Cache Manager: persists vLLM's KV cache in tiered storage and
+    serves it back instead of recomputing it."""
+
+
+main.add_command(serve)
+main.add_command(store)
+main.add_command(config)
+main.add_command(bench)
+
+__all__ = ["main"]
