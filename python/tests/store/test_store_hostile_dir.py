@@ -25,7 +25,6 @@ from ucm.store import (
     UcmConnectorFactory,
 )
 
-
 #: Children import the test helpers (``support``) and the same ``ucm`` as
 #: this process.
 CHILD_PYTHONPATH = os.pathsep.join(
