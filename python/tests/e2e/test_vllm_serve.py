@@ -127,13 +127,34 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
             proc.wait()
 
 
-def complete(base: str) -> dict:
-    status, body = http(
-        base + "/v1/completions",
-        {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
-    )
-    assert status == 200, body
-    return json.loads(body)
+def complete(base: str, prompt: str = PROMPT, control: dict | None = None) -> dict:
+    body: dict = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if control is not None:
+        body["kv_transfer_params"] = control
+    status, text = http(base + "/v1/completions", body)
+    assert status == 200, text
+    return json.loads(text)
+
+
+def test_metrics_exist_at_zero_before_any_request(server: tuple[str, Path]) -> None:
+    # Runs first (file order): nothing was served yet.
+    base, _ = server
+    m = samples(http(base + "/metrics")[1])
+    for name in (
+        "ucm_save_blocks_total",
+        "ucm_load_blocks_total",
+        "ucm_save_failed_blocks_total",
+        "ucm_lookup_tokens_total",
+        "ucm_store_errors_total",
+    ):
+        assert m.get(name) == 0, (name, sorted(m))
+    assert m["ucm_store_healthy"] == 1
 
 
 def test_serve_completions_and_metrics(server: tuple[str, Path]) -> None:
@@ -170,3 +191,44 @@ def test_serve_completions_and_metrics(server: tuple[str, Path]) -> None:
     # Histograms have buckets.
     text = http(base + "/metrics")[1]
     assert "ucm_load_duration_ms_bucket{" in text and 'le="+Inf"' in text
+
+
+def wait_metric(base: str, name: str, at_least: float) -> dict[str, float]:
+    m: dict[str, float] = {}
+    for _ in range(100):
+        m = samples(http(base + "/metrics")[1])
+        if m.get(name, 0) >= at_least:
+            break
+        time.sleep(0.1)
+    return m
+
+
+def test_per_request_control_through_kv_transfer_params(server: tuple[str, Path]) -> None:
+    """A request can skip loading, skip saving, or cap what it loads."""
+    base, _ = server
+    prompt = PROMPT.replace("cache", "store") + " once more with other words"
+    before = samples(http(base + "/metrics")[1])
+    # Not saved: the same prompt again finds nothing.
+    first = complete(base, prompt, {"ucm_skip_save": True})
+    n = first["usage"]["prompt_tokens"] // 32
+    time.sleep(1.0)
+    m = samples(http(base + "/metrics")[1])
+    assert m["ucm_save_blocks_total"] == before["ucm_save_blocks_total"]
+    # Saved now.
+    complete(base, prompt)
+    m = wait_metric(base, "ucm_save_blocks_total", before["ucm_save_blocks_total"] + n)
+    assert m["ucm_save_blocks_total"] == before["ucm_save_blocks_total"] + n
+    loads = m["ucm_load_blocks_total"]
+    # Present, but this request computes its prompt.
+    again = complete(base, prompt, {"ucm_skip_load": True})
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    time.sleep(0.5)
+    assert samples(http(base + "/metrics")[1])["ucm_load_blocks_total"] == loads
+    # At most one block (32 tokens) loaded; a bad value is ignored, not fatal.
+    capped = complete(base, prompt, {"ucm_max_load_tokens": 40})
+    assert capped["choices"][0]["text"] == first["choices"][0]["text"]
+    m = wait_metric(base, "ucm_load_blocks_total", loads + 1)
+    assert m["ucm_load_blocks_total"] == loads + 1
+    complete(base, prompt, {"ucm_max_load_tokens": "lots"})
+    m = wait_metric(base, "ucm_load_blocks_total", loads + 1 + n)
+    assert m["ucm_load_blocks_total"] == loads + 1 + n

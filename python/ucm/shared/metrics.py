@@ -104,6 +104,16 @@ class UcmMetrics:
         }
         self.gauges = {k: meter.create_gauge(PREFIX + k, description=d) for k, d in GAUGES.items()}
 
+    def start(self, attributes: Mapping[str, str] | None = None) -> None:
+        """Creates every counter and gauge series at its initial value, so a
+        dashboard sees them (at zero, the store healthy) from the first
+        scrape instead of only after the first save or failure."""
+        attrs = dict(attributes or {})
+        for c in self.counters.values():
+            c.add(0, attrs)
+        for k, g in self.gauges.items():
+            g.set(1.0 if k == "store_healthy" else 0.0, attrs)
+
     def record(self, data: Mapping[str, Any], attributes: Mapping[str, str] | None = None) -> None:
         """Records one batch of connector stats."""
         attrs = dict(attributes or {})

@@ -26,6 +26,7 @@ import numpy as np
 from ucm.hashing import block_ids
 from ucm.integration.vllm.config import ResolvedConfig
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.request_control import RequestControl
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
 from ucm.integration.vllm.store_handle import StoreHandle, build_store_config
 from ucm.shared.logging import get_logger
@@ -230,7 +231,8 @@ class UCMSchedulerSide:
         local = num_computed_tokens // B
         self._lookups[request.request_id] = (local, 0)
         ids = self.store_keys(request)
-        if not ids or local >= len(ids) or not self.load_enabled:
+        control = RequestControl.of(request)
+        if not ids or local >= len(ids) or not self.load_enabled or control.skip_load:
             return 0, False
         store = self.store.get()
         if store is None:
@@ -255,8 +257,10 @@ class UCMSchedulerSide:
         if local * B + ext_tokens >= request.num_tokens:
             # vLLM must compute at least one token: recompute the last one.
             ext_tokens = request.num_tokens - 1 - local * B
+        ext_tokens = control.cap_load(ext_tokens, B)
         if ext_tokens <= 0 or ext_tokens < self.cfg.connector.min_hit_tokens:
             ext, ext_tokens = 0, 0
+        ext = min(ext, -(-ext_tokens // B))
         self._lookups[request.request_id] = (local, ext)
         if ext_tokens:
             logger.debug(
@@ -282,12 +286,13 @@ class UCMSchedulerSide:
         else:  # not looked up (e.g. a resumed request): trust vLLM's count
             local_blocks = max(0, request.num_computed_tokens - num_external_tokens) // B
         ext_blocks = -(-num_external_tokens // B) if num_external_tokens > 0 else 0
+        save = self.save_enabled and not RequestControl.of(request).skip_save
         st = _ReqState(
             req_id=req_id,
             keys=ids,
             local_blocks=local_blocks,
             ext_blocks=ext_blocks,
-            save_limit=len(ids) if self.save_enabled else 0,
+            save_limit=len(ids) if save else 0,
             saved_upto=local_blocks + ext_blocks,
         )
         if ext_blocks:
@@ -301,7 +306,7 @@ class UCMSchedulerSide:
                     logger.debug("UCM prefetch failed: %s", e)
         # Blocks vLLM holds but the store lacks (a store that was unusable, wiped
         # or evicted): save them too, so another engine finds the whole prefix.
-        if local_blocks and self.save_enabled:
+        if local_blocks and save:
             store = self.store.get()
             if store is not None:
                 try:

@@ -108,6 +108,9 @@ class UCMPromMetrics(KVConnectorPromMetrics):
             idx: {str(k): str(v) for k, v in zip(labelnames, values, strict=False)}
             for idx, values in per_engine_labelvalues.items()
         }
+        for attrs in self._attrs.values():
+            self._metrics.start(attrs)
+        ucm_metrics.after_record()
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         if not transfer_stats_data:
