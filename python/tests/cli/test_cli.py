@@ -138,3 +138,21 @@ def test_bench_reports_the_store_against_the_disk(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "dump" in res.output and "disk write" in res.output
     assert list(tmp_path.iterdir()) == [], "the scratch directory stays"
+
+
+def test_grafana_dashboard_uses_only_metrics_ucm_exports() -> None:
+    import re
+
+    from ucm.shared.metrics import COUNTERS, GAUGES, HISTOGRAMS
+
+    dash = json.loads((Path(__file__).parents[3] / "configs" / "grafana-ucm.json").read_text())
+    exported = (
+        {f"ucm_{k}_total" for k in COUNTERS}
+        | {f"ucm_{k}" for k in GAUGES}
+        | {f"ucm_{k}_bucket" for k in HISTOGRAMS}
+    )
+    used = {
+        m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"ucm_\w+", t["expr"])
+    }
+    assert used and used <= exported, used - exported
+    assert {f"ucm_{k}" for k in GAUGES} <= used

@@ -290,6 +290,31 @@ def test_credentials_checked_at_start_and_never_logged(
     assert "never-shown" not in repr(cfg) and "AKIA-visible?" not in repr(cfg)
 
 
+def test_no_credentials_names_the_real_cause(
+    moto_auth: MotoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key in the config and none in the environment: the error says so
+    and which keys or variables to set, not that the endpoint rejected
+    credentials (the client had fallen back to the instance metadata)."""
+    bucket = moto_auth.create_bucket()
+    for var in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    cfg = s3_config(moto_auth, bucket, s3_access_key="", s3_secret_key="", timeout_ms=3000)
+    with pytest.raises(InvalidParamError) as info:
+        open_store(cfg)
+    msg = str(info.value)
+    assert "no S3 credentials are configured" in msg, msg
+    assert "s3_access_key" in msg and "AWS_ACCESS_KEY_ID" in msg
+    assert "rejected the credentials" not in msg
+
+
 def test_config_validation_names_the_key() -> None:
     base = {
         "store_pipeline": "Cache|S3",

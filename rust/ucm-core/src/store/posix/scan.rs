@@ -37,6 +37,7 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanRep
     let mut report = ScanReport::default();
     let mut found: Vec<(SystemTime, BlockId, u64)> = Vec::new();
     // (mtime, id, size): recency follows the mtime order.
+    let mut progress = Progress::new(PROGRESS_EVERY);
     for root in paths.roots() {
         let Ok(subdirs) = std::fs::read_dir(root) else {
             continue;
@@ -74,6 +75,7 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanRep
                         if meta.len() == file_len {
                             let mtime = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
                             found.push((mtime, id, meta.len()));
+                            progress.tick(found.len(), root);
                         } else {
                             report.ignored += 1;
                         }
@@ -106,6 +108,43 @@ pub fn scan(paths: &Paths, index: &Index, file_len: u64, clean: bool) -> ScanRep
     index.advance_clock(found.len() as u64 + 1);
     report.blocks = found.len();
     report
+}
+
+/// Logs how far a long scan got, so a start-up over a large store does not
+/// look hung: every [`PROGRESS_EVERY`] while it runs.
+struct Progress {
+    start: std::time::Instant,
+    last: std::time::Instant,
+    every: Duration,
+}
+
+/// How often a running scan logs its progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
+impl Progress {
+    fn new(every: Duration) -> Self {
+        let now = std::time::Instant::now();
+        Progress {
+            start: now,
+            last: now,
+            every,
+        }
+    }
+
+    /// Logs (and returns true) when `every` passed since the last line;
+    /// looks at the clock once per 1024 blocks.
+    fn tick(&mut self, blocks: usize, root: &Path) -> bool {
+        if blocks % 1024 != 0 || self.last.elapsed() < self.every {
+            return false;
+        }
+        self.last = std::time::Instant::now();
+        log::info!(
+            "indexing the posix store under {}: {blocks} block(s) after {:.1} s",
+            root.display(),
+            self.start.elapsed().as_secs_f64()
+        );
+        true
+    }
 }
 
 /// Removes the stale legacy temporaries directly under `dir` (and `dir`
@@ -153,6 +192,16 @@ pub fn nanos(t: SystemTime) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_scans_report_progress() {
+        let mut p = Progress::new(Duration::from_millis(10));
+        assert!(!p.tick(1024, Path::new("/x")), "too early");
+        std::thread::sleep(Duration::from_millis(15));
+        assert!(!p.tick(1023, Path::new("/x")), "only every 1024 blocks");
+        assert!(p.tick(2048, Path::new("/x")));
+        assert!(!p.tick(3072, Path::new("/x")), "not again right away");
+    }
 
     #[test]
     fn finds_blocks_and_removes_what_is_not_a_block() {

@@ -151,6 +151,9 @@ fn map_err(op: &str, what: &str, e: object_store::Error) -> (UcmError, bool) {
     }
 }
 
+/// Where the AWS client asks for instance credentials when it has none.
+const METADATA_HOST: &str = "169.254.169.254";
+
 impl RemoteStore<S3Backend> {
     /// Validates `cfg`, connects, and checks that the bucket exists and the
     /// credentials are accepted (one LIST request under the prefix).
@@ -278,6 +281,21 @@ impl S3Backend {
         format!("s3://{}/{}", self.loc.bucket, self.path(id))
     }
 
+    /// True when some credential source other than the instance metadata
+    /// service is configured: the config's keys, or the AWS environment
+    /// variables the client reads (static keys, web identity, containers).
+    fn has_credentials(&self) -> bool {
+        !self.cfg.access_key.is_empty()
+            || [
+                "AWS_ACCESS_KEY_ID",
+                "AWS_WEB_IDENTITY_TOKEN_FILE",
+                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+            ]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()))
+    }
+
     /// One LIST under the prefix: proves the endpoint answers, the bucket
     /// exists and the credentials are accepted.
     fn check_access(self: &Arc<Self>) -> Result<()> {
@@ -294,6 +312,18 @@ impl S3Backend {
         };
         match outcome {
             Ok(Ok(_)) => Ok(()),
+            // Without credentials, the AWS client falls back to the instance
+            // metadata service; its failure would hide the real cause.
+            Ok(Err(e)) if !self.has_credentials() || e.to_string().contains(METADATA_HOST) => {
+                Err(UcmError::invalid(format!(
+                    "s3_access_key / s3_secret_key: no S3 credentials are configured for \
+                     {endpoint} (bucket {:?}): set s3_access_key and s3_secret_key (for example \
+                     \"${{AWS_ACCESS_KEY_ID}}\" and \"${{AWS_SECRET_ACCESS_KEY}}\"), or the \
+                     AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY environment variables; without \
+                     them the instance metadata service was asked, and it failed: {e}",
+                    self.loc.bucket
+                )))
+            }
             Ok(Err(e)) => {
                 let msg = e.to_string();
                 Err(match e {
