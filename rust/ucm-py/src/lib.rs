@@ -10,6 +10,7 @@ mod bench;
 mod config;
 mod errors;
 mod hashing;
+mod maintain;
 mod py_stage;
 mod store;
 
@@ -24,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     hashing::register(m)?;
     store::register(m)?;
+    maintain::register(m)?;
     config::register(m)?;
     Ok(())
 }

@@ -202,7 +202,7 @@ fn parse_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     Ok(out)
 }
 
-fn one_id(item: &Bound<'_, PyAny>, i: usize) -> PyResult<BlockId> {
+pub(crate) fn one_id(item: &Bound<'_, PyAny>, i: usize) -> PyResult<BlockId> {
     let bytes = item.cast::<PyBytes>().map_err(|_| {
         invalid(format!(
             "block_ids[{i}] must be bytes, got {}",

@@ -15,6 +15,7 @@ use crate::task::TaskId;
 pub mod cache;
 pub mod empty;
 pub mod format;
+pub mod maintain;
 pub mod nfs;
 pub mod pipeline;
 pub mod posix;

@@ -148,14 +148,10 @@ impl ShardHeader {
         out[64..72].copy_from_slice(&self_sum.to_le_bytes());
     }
 
-    /// Parses and checks a header against what the reader expects; every
-    /// mismatch is a [`UcmError::Corrupt`] naming the field.
-    pub fn decode_expect(
-        raw: &[u8],
-        block: &BlockId,
-        index: usize,
-        layout: &Layout,
-    ) -> Result<ShardHeader> {
+    /// Parses a header and checks what it says of itself (magic, its own
+    /// checksum, the format version); `block`/`index` only name the shard
+    /// in messages.
+    pub fn decode(raw: &[u8], block: &BlockId, index: usize) -> Result<ShardHeader> {
         let where_ = || format!("block {block} shard {index}");
         let bad =
             |damage, detail: String| UcmError::corrupt(damage, Some(*block), Some(index), detail);
@@ -186,14 +182,28 @@ impl ShardHeader {
         }
         let mut id = [0u8; 16];
         id.copy_from_slice(&raw[16..32]);
-        let hdr = ShardHeader {
+        Ok(ShardHeader {
             block: BlockId(id),
             index: u32_at(32),
             count: u32_at(36),
             shard_size: u64_at(40),
             fingerprint: u64_at(48),
             checksum: u64_at(56),
-        };
+        })
+    }
+
+    /// Parses and checks a header against what the reader expects; every
+    /// mismatch is a [`UcmError::Corrupt`] naming the field.
+    pub fn decode_expect(
+        raw: &[u8],
+        block: &BlockId,
+        index: usize,
+        layout: &Layout,
+    ) -> Result<ShardHeader> {
+        let where_ = || format!("block {block} shard {index}");
+        let bad =
+            |damage, detail: String| UcmError::corrupt(damage, Some(*block), Some(index), detail);
+        let hdr = Self::decode(raw, block, index)?;
         if hdr.block != *block {
             return Err(bad(
                 Damage::ForeignBlock,
@@ -243,6 +253,86 @@ pub unsafe fn checksum_segs(segs: &[MemSeg]) -> u64 {
         h.update(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len) });
     }
     h.digest()
+}
+
+/// What [`verify_block`] found: the geometry the block's headers declare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerifiedBlock {
+    /// Shards in the block.
+    pub shards: usize,
+    /// Bytes of one shard's data.
+    pub shard_size: usize,
+    /// Fingerprint of the layout that wrote it.
+    pub fingerprint: u64,
+}
+
+/// Verifies a whole block as stored (`raw`: the file or object), without
+/// knowing the layout that wrote it: the first header declares the shard
+/// size and count, and every shard must then carry a valid header for this
+/// block, its index and the same layout, and data matching its checksum.
+pub fn verify_block(raw: &[u8], block: &BlockId) -> Result<VerifiedBlock> {
+    let first = ShardHeader::decode(raw, block, 0)?;
+    let shards = first.count as usize;
+    let shard_size = usize::try_from(first.shard_size).unwrap_or(usize::MAX);
+    let stride = HEADER_LEN.saturating_add(round_up(shard_size.min(1 << 40), REGION_ALIGN));
+    let want = stride.saturating_mul(shards);
+    let fail = |damage, shard: Option<usize>, detail: String| {
+        UcmError::corrupt(
+            damage,
+            Some(*block),
+            shard,
+            format!("block {block}: {detail}"),
+        )
+    };
+    if shards == 0 || shards > MAX_SHARDS || shard_size == 0 || raw.len() != want {
+        return Err(fail(
+            if raw.len() < want {
+                Damage::Truncated
+            } else {
+                Damage::BadHeader
+            },
+            None,
+            format!(
+                "{} bytes, but its first header declares {shards} shard(s) of {shard_size} bytes \
+                 ({want} bytes)",
+                raw.len()
+            ),
+        ));
+    }
+    for i in 0..shards {
+        let region = &raw[i * stride..(i + 1) * stride];
+        let hdr = ShardHeader::decode(&region[..HEADER_LEN], block, i)?;
+        if hdr.block != *block {
+            return Err(fail(
+                Damage::ForeignBlock,
+                Some(i),
+                format!("shard {i} holds foreign block {}", hdr.block),
+            ));
+        }
+        if hdr.index as usize != i
+            || hdr.count != first.count
+            || hdr.shard_size != first.shard_size
+            || hdr.fingerprint != first.fingerprint
+        {
+            return Err(fail(
+                Damage::BadHeader,
+                Some(i),
+                format!("shard {i}'s header disagrees with the block's first header"),
+            ));
+        }
+        if xxh3_64(&region[HEADER_LEN..HEADER_LEN + shard_size]) != hdr.checksum {
+            return Err(fail(
+                Damage::Checksum,
+                Some(i),
+                format!("shard {i}: data checksum mismatch"),
+            ));
+        }
+    }
+    Ok(VerifiedBlock {
+        shards,
+        shard_size,
+        fingerprint: first.fingerprint,
+    })
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ mod evict;
 pub mod files;
 pub mod index;
 mod load;
+mod maintain;
 pub mod scan;
 mod spare;
 mod trust;
@@ -31,6 +32,7 @@ mod work;
 mod writer;
 
 pub use config::{Durability, PosixConfig, KEYS};
+pub use maintain::PosixMaintenance;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
