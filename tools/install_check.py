@@ -1,0 +1,220 @@
+"""Installs a freshly built ucm wheel into a new virtual environment outside
+the checkout and uses it as a newcomer would: a store round trip, `ucm
+serve` with a tiny model, two requests (the second loads from the store), a
+restart (the first request after it loads from the store too), then `ucm
+store info` and `ucm store verify`.
+
+vLLM and torch come from the checkout's `.venv` (its site-packages is added
+to the new environment's path): vLLM's CPU build can't be installed by pip
+from its own requirements (see requirements-vllm.txt), and a second copy of
+torch would cost gigabytes. Everything of ucm itself comes from the wheel.
+
+    python tools/install_check.py [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = ROOT / ".venv"
+
+
+def sh(*cmd: str | Path, **kw) -> subprocess.CompletedProcess[str]:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    return subprocess.run([str(c) for c in cmd], check=True, text=True, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def loaded_blocks(base: str) -> float:
+    text = http(base + "/metrics")[1]
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("ucm_load_blocks_total")
+    )
+
+
+class Server:
+    """`ucm serve` from the new environment, on a free port."""
+
+    def __init__(self, ucm: Path, model: Path, store: Path, log: Path, cwd: Path) -> None:
+        self.base = f"http://127.0.0.1:{free_port()}"
+        port = self.base.rsplit(":", 1)[1]
+        self.log = log
+        self.proc = subprocess.Popen(
+            [
+                str(ucm),
+                "serve",
+                str(model),
+                "--storage",
+                str(store),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                port,
+                "--served-model-name",
+                "tiny",
+                "--enforce-eager",
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--block-size",
+                "32",
+                "--no-enable-prefix-caching",
+                "--kv-cache-memory-bytes",
+                str(64 << 20),
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        deadline = time.time() + 300
+        while http(self.base + "/health")[0] != 200:
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise SystemExit(f"ucm serve did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+
+    def complete(self, prompt: str) -> dict:
+        status, body = http(
+            self.base + "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        if status != 200:
+            raise SystemExit(f"completion failed ({status}): {body}")
+        return json.loads(body)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ucm-install-check-"))
+    try:
+        sh(
+            DEV / "bin" / "maturin",
+            "build",
+            "--profile",
+            "dist",
+            "-q",
+            "-o",
+            work / "dist",
+            cwd=ROOT,
+        )
+        (wheel,) = (work / "dist").glob("ucm-*.whl")
+        size = next(
+            n
+            for n in __import__("zipfile").ZipFile(wheel).infolist()
+            if n.filename.endswith("_native.abi3.so")
+        ).file_size
+        print(f"wheel {wheel.name}: native module {size / 1e6:.1f} MB")
+        venv = work / "venv"
+        sh(sys.executable, "-m", "venv", venv)
+        py, ucm = venv / "bin" / "python", venv / "bin" / "ucm"
+        sh(py, "-m", "pip", "install", "-q", wheel)
+        dev_site = next((DEV / "lib").glob("python3*/site-packages"))
+        site = next((venv / "lib").glob("python3*/site-packages"))
+        (site / "zz-vllm-from-checkout.pth").write_text(f"{dev_site}\n")
+        run = work / "run"
+        run.mkdir()
+        where = sh(py, "-c", "import ucm; print(ucm.__file__)", cwd=run, capture_output=True)
+        if not where.stdout.strip().startswith(str(venv)):
+            raise SystemExit(f"ucm was not imported from the wheel: {where.stdout}")
+        sh(
+            py,
+            "-c",
+            (
+                "import numpy as np; from ucm.store import UcmConnectorFactory as F\n"
+                "s = F.create_connector('UcmPipelineStore', {'storage_backends': 'kv-test',"
+                " 'block_size': 4096})\n"
+                "a = np.arange(4096, dtype=np.uint8); b = np.zeros_like(a)\n"
+                "s.wait(s.dump([b'k' * 16], [0], [[a]])); s.wait(s.load([b'k' * 16], [0], [[b]]))\n"
+                "assert (a == b).all(); s.close(); print('store round trip ok')"
+            ),
+            cwd=run,
+        )
+        sh(ucm, "--help", cwd=run, capture_output=True)
+        model = Path(
+            sh(
+                py, "-m", "ucm.testing.tiny_model", work / "model", cwd=run, capture_output=True
+            ).stdout.strip()
+        )
+        store = work / "store"
+        prompt = " ".join(f"word{i % 97}" for i in range(200))
+        server = Server(ucm, model, store, work / "serve1.log", run)
+        try:
+            first = server.complete(prompt)
+            time.sleep(1.0)  # the save completes asynchronously
+            second = server.complete(prompt)
+            if loaded_blocks(server.base) <= 0:
+                raise SystemExit("the second request loaded nothing from the store")
+        finally:
+            server.stop()
+        server = Server(ucm, model, store, work / "serve2.log", run)
+        try:
+            third = server.complete(prompt)
+            if loaded_blocks(server.base) <= 0:
+                raise SystemExit("after the restart, the request loaded nothing from the store")
+        finally:
+            server.stop()
+        texts = {r["choices"][0]["text"] for r in (first, second, third)}
+        if len(texts) != 1:
+            raise SystemExit(f"tokens differ between cold and loaded runs: {texts}")
+        info = sh(ucm, "store", "info", "--dir", store, cwd=run, capture_output=True).stdout
+        print(info)
+        verify = sh(ucm, "store", "verify", "--dir", store, cwd=run, capture_output=True)
+        print(verify.stdout)
+        print("install check: ok")
+        return 0
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
