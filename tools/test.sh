@@ -20,7 +20,7 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 step "cargo test"
 cargo test --workspace --release -q
 step "ruff check"
-ruff check python benches
-ruff format --check python benches
+ruff check python benches tools
+ruff format --check python benches tools
 step "pytest"
 python -m pytest -q python/tests "$@"
