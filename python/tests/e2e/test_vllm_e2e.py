@@ -210,6 +210,33 @@ def test_whole_step_engine_reads_layerwise_blocks(world: dict[str, Any], engines
         pytest.skip("this build has no Cache stage: ran on Posix only")
 
 
+def test_blocks_only_in_the_workers_cache_are_hits(
+    world: dict[str, Any], engines: Any, tmp_path: Path
+) -> None:
+    """A prompt repeated before the worker's Cache tier wrote it back to
+    Posix: the scheduler, which reads only Posix, still finds it."""
+    if not world["cache_posix"]:
+        pytest.skip("this build has no Cache stage")
+    store = tmp_path / "wb-store"
+    cfg = {
+        "storage_backends": str(store),
+        "store_pipeline": "Cache|Posix",
+        "cache_buffer_capacity_gb": 0.25,
+        "write_back_interval": 600,
+        "write_back_batch_size": 4096,
+    }
+    e = engines("E", {"model": world["model"], "ucm": cfg, "llm": {"enable_prefix_caching": False}})
+    prompt = world["prompts"]["c_new"]
+    first = e.generate(prompt, MAX_TOKENS)
+    assert first["tokens"] == world["ref"]["c_new"]
+    assert block_files(store) == set(), "written back already: the test proves nothing"
+    again = e.generate(prompt, MAX_TOKENS)
+    assert again["tokens"] == world["ref"]["c_new"]
+    assert again["cached"] == [full_blocks(prompt) * BS]
+    e.close()  # flushes
+    assert len(block_files(store)) == full_blocks(prompt)
+
+
 # -- the store made unwritable mid-run ------------------------------------------
 
 

@@ -18,6 +18,7 @@ reports them done through ``get_finished``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +182,10 @@ class UCMSchedulerSide:
         self._reqs_with_saves: set[str] = set()
         self._kv_cache_manager: Any = None
         self._errors_reported = 0
+        self._saving = RecentSaves()
+        """Keys whose saves this scheduler planned: found by lookups even
+        before they reach the store the scheduler reads (a worker's Cache
+        tier writes them back later)."""
         self.extension = SchedulerExtension()
         """Set by the sparse bridge (``ucm_sparse_config``)."""
         self.kv_namespace = ""
@@ -253,6 +258,7 @@ class UCMSchedulerSide:
             self.store.report_failure(e, "lookup")
             return 0, False
         self.store.report_success()
+        ext += self._saving.prefix(ids, local + ext)
         ext_tokens = ext * B
         if local * B + ext_tokens >= request.num_tokens:
             # vLLM must compute at least one token: recompute the last one.
@@ -367,6 +373,7 @@ class UCMSchedulerSide:
             t.save_keys = [st.keys[i] for i in save_idx]
             t.save_from = [vblocks[i] for i in save_idx]
             self._reqs_with_saves.add(req_id)
+            self._saving.add(t.save_keys)
         st.save_extra = []
         st.saved_upto = max(st.saved_upto, upto)
         return t
@@ -429,6 +436,8 @@ class UCMSchedulerSide:
             for i in range(a, min(b, len(vblocks))):
                 if vblocks[i] in invalid:
                     st.saved_upto = min(st.saved_upto, i)
+                    # Not in the store after all (a save that failed).
+                    self._saving.forget(st.keys[i:b])
                     break
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
@@ -458,4 +467,34 @@ class UCMSchedulerSide:
         self.store.close()
 
 
-__all__ = ["KVGeometry", "SchedulerExtension", "UCMSchedulerSide", "kv_geometry"]
+class RecentSaves:
+    """The keys of the saves a scheduler planned, most recent last, bounded:
+    a block a worker's Cache tier holds but has not written back yet is
+    still a hit. A save that turns out to have failed is a load failure,
+    which vLLM recomputes and which :meth:`forget` takes back."""
+
+    MAX = 1 << 17
+
+    def __init__(self) -> None:
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self._keys[k] = None
+            self._keys.move_to_end(k)
+        while len(self._keys) > self.MAX:
+            self._keys.popitem(last=False)
+
+    def forget(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self._keys.pop(k, None)
+
+    def prefix(self, ids: list[bytes], start: int) -> int:
+        """How many of ``ids[start:]``, in a row, have a save planned."""
+        n = 0
+        while start + n < len(ids) and ids[start + n] in self._keys:
+            n += 1
+        return n
+
+
+__all__ = ["KVGeometry", "RecentSaves", "SchedulerExtension", "UCMSchedulerSide", "kv_geometry"]

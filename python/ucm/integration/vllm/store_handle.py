@@ -33,6 +33,24 @@ def is_block_level(err: BaseException) -> bool:
     return type(err).__name__ in BLOCK_LEVEL_ERRORS
 
 
+def lookup_only(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler's view of a pipeline: its persistent stage alone. The
+    scheduler only looks blocks up; a Cache stage of its own would hold
+    memory (and log it) for nothing, since what the workers' caches hold is
+    in their processes. Keys of the dropped stages are dropped with them."""
+    from ucm.store.config import stage_schemas
+
+    pipeline = str(cfg.get("store_pipeline", "Posix"))
+    bottom = pipeline.split("|")[-1].strip()
+    schemas = stage_schemas()
+    if bottom == pipeline.strip() or bottom not in schemas:
+        return cfg  # one stage already, or a store registered from Python
+    keep = set(schemas[bottom].key_names()) | {"device_id"}
+    out = {k: v for k, v in cfg.items() if k in keep}
+    out["store_pipeline"] = bottom
+    return out
+
+
 def build_store_config(
     spec: StoreSpec, layout_keys: dict[str, Any], device_id: int
 ) -> dict[str, Any]:
@@ -41,6 +59,8 @@ def build_store_config(
     cfg = dict(spec.config)
     cfg.update(layout_keys)
     cfg["device_id"] = device_id
+    if spec.name == "UcmPipelineStore" and device_id < 0:
+        cfg = lookup_only(cfg)
     if spec.name == "UcmPipelineStore":
         from ucm.store.config import PipelineStoreConfig
 
