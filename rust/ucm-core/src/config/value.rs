@@ -213,167 +213,197 @@ fn edit_distance(a: &str, b: &str) -> usize {
 
 /// Converts one value of `key`, checking its type and range.
 pub fn convert(key: &Key, raw: &Raw) -> Result<Val, ConfigError> {
-    let err = |what: String| ConfigError::new(key.name, what);
-    let shown = |raw: &Raw| {
-        if key.secret {
-            "a value (not shown: secret)".to_string()
-        } else {
-            raw.describe()
-        }
-    };
     if *raw == Raw::Null {
         return Ok(Val::Unset);
     }
+    let c = Conv { key, raw };
     match key.kind {
-        Kind::Bool => match raw {
+        Kind::Bool => c.bool(),
+        Kind::Int { min, max } => c.int(min, max),
+        Kind::Float { min, max } => c.float(min, max),
+        Kind::Text => match raw {
+            Raw::Str(s) => Ok(Val::Text(s.clone())),
+            _ => Err(c.err(format!("expected text, got {}", c.shown()))),
+        },
+        Kind::Choice(choices) => c.choice(choices),
+        Kind::Sizes => c.sizes(),
+        Kind::Location => c.location(),
+        Kind::Locations => c.locations(),
+    }
+}
+
+/// One value of one key being converted: errors name the key and show
+/// the value, unless the key is secret.
+struct Conv<'a> {
+    key: &'a Key,
+    raw: &'a Raw,
+}
+
+impl Conv<'_> {
+    fn err(&self, what: String) -> ConfigError {
+        ConfigError::new(self.key.name, what)
+    }
+
+    /// An error about item `i` of a list value.
+    fn item_err(&self, i: usize, what: String) -> ConfigError {
+        ConfigError::new(format!("{}[{i}]", self.key.name), what)
+    }
+
+    fn shown(&self) -> String {
+        if self.key.secret {
+            "a value (not shown: secret)".to_string()
+        } else {
+            self.raw.describe()
+        }
+    }
+
+    fn bool(&self) -> Result<Val, ConfigError> {
+        match self.raw {
             Raw::Bool(b) => Ok(Val::Bool(*b)),
             Raw::Int(0) => Ok(Val::Bool(false)),
             Raw::Int(1) => Ok(Val::Bool(true)),
             Raw::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
                 "1" | "true" | "yes" | "on" => Ok(Val::Bool(true)),
                 "0" | "false" | "no" | "off" => Ok(Val::Bool(false)),
-                _ => Err(err(format!("expected a boolean, got {}", shown(raw)))),
+                _ => Err(self.err(format!("expected a boolean, got {}", self.shown()))),
             },
-            _ => Err(err(format!("expected a boolean, got {}", shown(raw)))),
-        },
-        Kind::Int { min, max } => {
-            let v = as_int(raw)
-                .ok_or_else(|| err(format!("expected an integer, got {}", shown(raw))))?;
-            if v < i128::from(min) || v > i128::from(max) {
-                return Err(err(format!("{} is out of range {min}..={max}", shown(raw))));
-            }
-            Ok(Val::Int(v as i64))
+            _ => Err(self.err(format!("expected a boolean, got {}", self.shown()))),
         }
-        Kind::Float { min, max } => {
-            let v = match raw {
-                Raw::Int(i) => Some(*i as f64),
-                Raw::Float(f) => Some(*f),
-                Raw::Str(s) => s.trim().parse::<f64>().ok(),
-                _ => None,
-            }
-            .ok_or_else(|| err(format!("expected a number, got {}", shown(raw))))?;
-            if !v.is_finite() {
-                return Err(err(format!("expected a finite number, got {}", shown(raw))));
-            }
-            if v < min || v > max {
-                return Err(err(format!("{} is out of range {min}..={max}", shown(raw))));
-            }
-            Ok(Val::Float(v))
+    }
+
+    fn int(&self, min: i64, max: i64) -> Result<Val, ConfigError> {
+        let v = as_int(self.raw)
+            .ok_or_else(|| self.err(format!("expected an integer, got {}", self.shown())))?;
+        if v < i128::from(min) || v > i128::from(max) {
+            return Err(self.err(format!("{} is out of range {min}..={max}", self.shown())));
         }
-        Kind::Text => match raw {
-            Raw::Str(s) => Ok(Val::Text(s.clone())),
-            _ => Err(err(format!("expected text, got {}", shown(raw)))),
-        },
-        Kind::Choice(choices) => {
-            let word = match raw {
-                Raw::Str(s) => s.trim().to_ascii_lowercase(),
-                // `device_memory: true` and friends.
-                Raw::Bool(b) if choices.contains(&"true") => b.to_string(),
-                _ => {
-                    return Err(err(format!(
-                        "expected one of {}, got {}",
-                        choices.join(", "),
-                        shown(raw)
-                    )))
-                }
-            };
-            if choices.contains(&word.as_str()) {
-                Ok(Val::Text(word))
-            } else {
-                Err(err(format!(
-                    "unknown value {}{}; valid values: {}",
-                    shown(raw),
-                    suggestion(&word, choices),
-                    choices.join(", ")
+        Ok(Val::Int(v as i64))
+    }
+
+    fn float(&self, min: f64, max: f64) -> Result<Val, ConfigError> {
+        let v = match self.raw {
+            Raw::Int(i) => Some(*i as f64),
+            Raw::Float(f) => Some(*f),
+            Raw::Str(s) => s.trim().parse::<f64>().ok(),
+            _ => None,
+        }
+        .ok_or_else(|| self.err(format!("expected a number, got {}", self.shown())))?;
+        if !v.is_finite() {
+            return Err(self.err(format!("expected a finite number, got {}", self.shown())));
+        }
+        if v < min || v > max {
+            return Err(self.err(format!("{} is out of range {min}..={max}", self.shown())));
+        }
+        Ok(Val::Float(v))
+    }
+
+    fn choice(&self, choices: &[&str]) -> Result<Val, ConfigError> {
+        let word = match self.raw {
+            Raw::Str(s) => s.trim().to_ascii_lowercase(),
+            // `device_memory: true` and friends.
+            Raw::Bool(b) if choices.contains(&"true") => b.to_string(),
+            _ => {
+                return Err(self.err(format!(
+                    "expected one of {}, got {}",
+                    choices.join(", "),
+                    self.shown()
                 )))
             }
+        };
+        if choices.contains(&word.as_str()) {
+            Ok(Val::Text(word))
+        } else {
+            Err(self.err(format!(
+                "unknown value {}{}; valid values: {}",
+                self.shown(),
+                suggestion(&word, choices),
+                choices.join(", ")
+            )))
         }
-        Kind::Sizes => {
-            let Raw::List(items) = raw else {
-                return Err(err(format!(
-                    "expected a list of sizes in bytes, got {}",
-                    shown(raw)
-                )));
-            };
-            if items.is_empty() {
-                return Err(err("expected at least one size".into()));
-            }
-            let mut out = Vec::with_capacity(items.len());
-            for (i, item) in items.iter().enumerate() {
-                match as_int(item) {
-                    Some(v) if (1..=1 << 40).contains(&v) => out.push(v as u64),
-                    _ => {
-                        return Err(ConfigError::new(
-                            format!("{}[{i}]", key.name),
-                            format!(
-                                "expected a size in bytes (1..=2^40), got {}",
-                                item.describe()
-                            ),
-                        ))
-                    }
+    }
+
+    fn sizes(&self) -> Result<Val, ConfigError> {
+        let Raw::List(items) = self.raw else {
+            return Err(self.err(format!(
+                "expected a list of sizes in bytes, got {}",
+                self.shown()
+            )));
+        };
+        if items.is_empty() {
+            return Err(self.err("expected at least one size".into()));
+        }
+        let mut out = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            match as_int(item) {
+                Some(v) if (1..=1 << 40).contains(&v) => out.push(v as u64),
+                _ => {
+                    return Err(self.item_err(
+                        i,
+                        format!(
+                            "expected a size in bytes (1..=2^40), got {}",
+                            item.describe()
+                        ),
+                    ))
                 }
             }
-            Ok(Val::Sizes(out))
         }
-        Kind::Location => {
-            let one = match raw {
+        Ok(Val::Sizes(out))
+    }
+
+    fn location(&self) -> Result<Val, ConfigError> {
+        let one = match self.raw {
+            Raw::Str(s) => s.trim().to_string(),
+            Raw::List(items) if items.len() == 1 => match &items[0] {
                 Raw::Str(s) => s.trim().to_string(),
-                Raw::List(items) if items.len() == 1 => match &items[0] {
-                    Raw::Str(s) => s.trim().to_string(),
-                    other => {
-                        return Err(err(format!(
-                            "expected a location, got {}",
-                            other.describe()
-                        )))
-                    }
-                },
-                Raw::List(items) => {
-                    return Err(err(format!(
-                        "this stage takes one location, got {}",
-                        items.len()
-                    )))
+                other => {
+                    return Err(self.err(format!("expected a location, got {}", other.describe())))
                 }
-                _ => return Err(err(format!("expected a location, got {}", shown(raw)))),
-            };
-            if one.is_empty() {
-                return Err(err("a location is required".into()));
+            },
+            Raw::List(items) => {
+                return Err(self.err(format!(
+                    "this stage takes one location, got {}",
+                    items.len()
+                )))
             }
-            Ok(Val::Text(one))
+            _ => return Err(self.err(format!("expected a location, got {}", self.shown()))),
+        };
+        if one.is_empty() {
+            return Err(self.err("a location is required".into()));
         }
-        Kind::Locations => {
-            let list = match raw {
-                Raw::Str(s) => s
-                    .split(':')
-                    .filter(|p| !p.trim().is_empty())
-                    .map(|p| p.trim().to_string())
-                    .collect(),
-                Raw::List(items) => {
-                    let mut out = Vec::new();
-                    for (i, item) in items.iter().enumerate() {
-                        match item {
-                            Raw::Str(s) if !s.trim().is_empty() => out.push(s.trim().to_string()),
-                            _ => {
-                                return Err(ConfigError::new(
-                                    format!("{}[{i}]", key.name),
-                                    format!("expected a path, got {}", item.describe()),
-                                ))
-                            }
+        Ok(Val::Text(one))
+    }
+
+    fn locations(&self) -> Result<Val, ConfigError> {
+        let list = match self.raw {
+            Raw::Str(s) => s
+                .split(':')
+                .filter(|p| !p.trim().is_empty())
+                .map(|p| p.trim().to_string())
+                .collect(),
+            Raw::List(items) => {
+                let mut out = Vec::new();
+                for (i, item) in items.iter().enumerate() {
+                    match item {
+                        Raw::Str(s) if !s.trim().is_empty() => out.push(s.trim().to_string()),
+                        _ => {
+                            return Err(self
+                                .item_err(i, format!("expected a path, got {}", item.describe())))
                         }
                     }
-                    out
                 }
-                _ => {
-                    return Err(err(format!(
-                        "expected a path or a list of paths, got {}",
-                        shown(raw)
-                    )))
-                }
-            };
-            if list.is_empty() {
-                return Err(err("at least one location is required".into()));
+                out
             }
-            Ok(Val::List(list))
+            _ => {
+                return Err(self.err(format!(
+                    "expected a path or a list of paths, got {}",
+                    self.shown()
+                )))
+            }
+        };
+        if list.is_empty() {
+            return Err(self.err("at least one location is required".into()));
         }
+        Ok(Val::List(list))
     }
 }
 
@@ -476,5 +506,43 @@ mod tests {
         let key = s3.key("s3_secret_key").unwrap();
         let e = convert(key, &Raw::Int(12345)).unwrap_err();
         assert!(!e.to_string().contains("12345"), "{e}");
+    }
+
+    #[test]
+    fn list_values_name_the_bad_item() {
+        let list = |items: &[Raw]| Raw::List(items.to_vec());
+        let sizes = Key::new("sizes", Kind::Sizes, Dflt::Unset, "");
+        assert_eq!(
+            convert(&sizes, &list(&[Raw::Int(4096), Raw::Str("0x10".into())])).unwrap(),
+            Val::Sizes(vec![4096, 16])
+        );
+        let e = convert(&sizes, &list(&[Raw::Int(1), Raw::Int(0)])).unwrap_err();
+        assert_eq!(e.key, "sizes[1]");
+        let e = convert(&sizes, &list(&[])).unwrap_err();
+        assert_eq!(
+            (e.key.as_str(), e.reason.as_str()),
+            ("sizes", "expected at least one size")
+        );
+
+        let dirs = Key::new("dirs", Kind::Locations, Dflt::Unset, "");
+        assert_eq!(
+            convert(&dirs, &Raw::Str(" /a : :/b".into())).unwrap(),
+            Val::List(vec!["/a".into(), "/b".into()])
+        );
+        let e = convert(&dirs, &list(&[Raw::Str("/a".into()), Raw::Str(" ".into())])).unwrap_err();
+        assert_eq!(e.key, "dirs[1]");
+        let e = convert(&dirs, &Raw::Str(":".into())).unwrap_err();
+        assert_eq!(e.reason, "at least one location is required");
+
+        let dir = Key::new("dir", Kind::Location, Dflt::Unset, "");
+        assert_eq!(
+            convert(&dir, &list(&[Raw::Str(" /a ".into())])).unwrap(),
+            Val::Text("/a".into())
+        );
+        let two = list(&[Raw::Str("/a".into()), Raw::Str("/b".into())]);
+        let e = convert(&dir, &two).unwrap_err();
+        assert_eq!(e.reason, "this stage takes one location, got 2");
+        let e = convert(&dir, &Raw::Str("  ".into())).unwrap_err();
+        assert_eq!(e.reason, "a location is required");
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::stats::add;
-use super::table::READY;
+use super::table::{Guard, READY};
 use super::{
     staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, COPY_JOB_BYTES, LOCK_CHUNK,
 };
@@ -22,6 +22,58 @@ pub(super) enum DumpPlan {
     Failed(UcmError),
 }
 
+/// A dump being planned: the plans so far and what deciding them found.
+struct Planning {
+    sync: bool,
+    plans: Vec<DumpPlan>,
+    /// Dirty slots the eviction policy offered (lazy write-back).
+    wanted: Vec<BlockId>,
+    /// Clean copies to write back again.
+    redirty: Vec<(BlockId, u32, u32)>,
+    evictions: u64,
+}
+
+impl Planning {
+    /// Plans one shard: served by the copy in the cache, staged into a new
+    /// slot, or written straight through to the backend.
+    fn plan(&mut self, g: &mut Guard<'_>, s: ShardIo) {
+        let shard = s.index as u32;
+        match g.find(&s.block, shard) {
+            Some(slot) => {
+                let m = g.meta(slot);
+                // Content-addressed: a ready copy holds these bytes.
+                // A dirty one is on its way to the backend. A clean
+                // one was written back, but the backend may have
+                // evicted it since, and this dump must be loadable
+                // after the cache drops its copy: write it back
+                // again (a backend that still has it only notes the
+                // dump). A sync dump must not return before the
+                // backend has it, and a shard being filled may yet
+                // fail.
+                if m.state == READY && !self.sync {
+                    if m.dirty == 0 {
+                        g.mark_dirty(slot);
+                        self.redirty.push((s.block, shard, slot));
+                    }
+                    self.plans.push(DumpPlan::Cached);
+                } else {
+                    self.plans.push(DumpPlan::Bypass(s));
+                }
+            }
+            None => {
+                let wanted = &mut self.wanted;
+                match g.alloc(&s.block, shard, &mut |_, m| wanted.push(BlockId(m.block))) {
+                    Some(a) => {
+                        self.evictions += u64::from(a.evicted);
+                        self.plans.push(DumpPlan::Stage(s, a.slot));
+                    }
+                    None => self.plans.push(DumpPlan::Bypass(s)),
+                }
+            }
+        }
+    }
+}
+
 impl Inner {
     pub(super) fn dump(
         self: &Arc<Self>,
@@ -33,62 +85,8 @@ impl Inner {
         let task = self.tasks.create("dump", n);
         let ctx = TaskCtx::new(task.clone(), n, false);
         add(&self.c.dump_shards, n as u64);
-        let sync = self.cfg.write_back_policy == WriteBackPolicy::Sync;
-        let mut plans = Vec::with_capacity(n);
-        let mut wanted = Vec::new();
-        let mut redirty = Vec::new();
-        let mut evictions = 0;
-        let mut it = shards.into_iter().peekable();
-        while it.peek().is_some() {
-            let chunk: Vec<ShardIo> = it.by_ref().take(LOCK_CHUNK).collect();
-            let mut g = match self.table.lock() {
-                Ok(g) => g,
-                Err(e) => {
-                    plans.extend(chunk.iter().map(|_| DumpPlan::Failed(e.clone())));
-                    continue;
-                }
-            };
-            for s in chunk {
-                let shard = s.index as u32;
-                match g.find(&s.block, shard) {
-                    Some(slot) => {
-                        let m = g.meta(slot);
-                        // Content-addressed: a ready copy holds these bytes.
-                        // A dirty one is on its way to the backend. A clean
-                        // one was written back, but the backend may have
-                        // evicted it since, and this dump must be loadable
-                        // after the cache drops its copy: write it back
-                        // again (a backend that still has it only notes the
-                        // dump). A sync dump must not return before the
-                        // backend has it, and a shard being filled may yet
-                        // fail.
-                        if m.state == READY && !sync {
-                            if m.dirty == 0 {
-                                g.mark_dirty(slot);
-                                redirty.push((s.block, shard, slot));
-                            }
-                            plans.push(DumpPlan::Cached);
-                        } else {
-                            plans.push(DumpPlan::Bypass(s));
-                        }
-                    }
-                    None => {
-                        match g.alloc(&s.block, shard, &mut |_, m| wanted.push(BlockId(m.block))) {
-                            Some(a) => {
-                                evictions += u64::from(a.evicted);
-                                plans.push(DumpPlan::Stage(s, a.slot));
-                            }
-                            None => plans.push(DumpPlan::Bypass(s)),
-                        }
-                    }
-                }
-            }
-        }
-        add(&self.c.evictions, evictions);
-        self.wb.add(&redirty, false);
-        self.lazy_want(wanted);
         let (mut stage, mut bypass) = (vec![], vec![]);
-        for p in plans {
+        for p in self.plan_dump(shards) {
             match p {
                 DumpPlan::Cached => {
                     add(&self.c.dump_dedup, 1);
@@ -99,6 +97,55 @@ impl Inner {
                 DumpPlan::Failed(e) => ctx.done(&self.c, Err(e)),
             }
         }
+        self.spawn_stage_jobs(rt, &ctx, stage, prerequisite);
+        if !bypass.is_empty() {
+            add(&self.c.bypass_dumps, bypass.len() as u64);
+            let (me, ctx2) = (self.clone(), ctx.clone());
+            let units = bypass.len();
+            self.spawn_or_fail(&rt.waits, &ctx, units, move || {
+                me.bypass_dump(&ctx2, bypass, prerequisite)
+            });
+        }
+        task.id()
+    }
+
+    /// Decides each shard's plan under the table lock, a chunk of shards
+    /// at a time, and passes on what deciding found: clean copies to write
+    /// back again, dirty slots lazy write-back should write, evictions.
+    fn plan_dump(&self, shards: Vec<ShardIo>) -> Vec<DumpPlan> {
+        let mut p = Planning {
+            sync: self.cfg.write_back_policy == WriteBackPolicy::Sync,
+            plans: Vec::with_capacity(shards.len()),
+            wanted: Vec::new(),
+            redirty: Vec::new(),
+            evictions: 0,
+        };
+        let mut it = shards.into_iter().peekable();
+        while it.peek().is_some() {
+            let chunk: Vec<ShardIo> = it.by_ref().take(LOCK_CHUNK).collect();
+            match self.table.lock() {
+                Ok(mut g) => chunk.into_iter().for_each(|s| p.plan(&mut g, s)),
+                Err(e) => {
+                    p.plans
+                        .extend(chunk.iter().map(|_| DumpPlan::Failed(e.clone())));
+                }
+            }
+        }
+        add(&self.c.evictions, p.evictions);
+        self.wb.add(&p.redirty, false);
+        self.lazy_want(p.wanted);
+        p.plans
+    }
+
+    /// Copies staged shards into their slots on the copy pool, in jobs of
+    /// about [`COPY_JOB_BYTES`].
+    fn spawn_stage_jobs(
+        self: &Arc<Self>,
+        rt: &Runtime,
+        ctx: &Arc<TaskCtx>,
+        mut stage: Vec<(ShardIo, u32)>,
+        prerequisite: u64,
+    ) {
         let per_job = (COPY_JOB_BYTES / self.cfg.shard_size.max(1)).max(1);
         while !stage.is_empty() {
             let rest = stage.split_off(stage.len().min(per_job));
@@ -116,15 +163,6 @@ impl Inner {
                 }
             }
         }
-        if !bypass.is_empty() {
-            add(&self.c.bypass_dumps, bypass.len() as u64);
-            let (me, ctx2) = (self.clone(), ctx.clone());
-            let units = bypass.len();
-            self.spawn_or_fail(&rt.waits, &ctx, units, move || {
-                me.bypass_dump(&ctx2, bypass, prerequisite)
-            });
-        }
-        task.id()
     }
 
     pub(super) fn stage_dump(&self, ctx: &TaskCtx, items: Vec<(ShardIo, u32)>, prerequisite: u64) {

@@ -55,6 +55,7 @@
 mod config;
 mod dump;
 mod load;
+mod lookup;
 pub mod policy;
 mod prefetch;
 pub mod region;
@@ -74,8 +75,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use self::stats::{add, get, Counters};
-use self::table::{Geometry, Table, READY};
+use self::stats::Counters;
+use self::table::{Geometry, Table};
 use self::transport::Transport;
 use self::writeback::WriteBack;
 use super::{Store, StoreDebug, StoreFacts, StoreStats};
@@ -299,13 +300,6 @@ impl Inner {
         self.cfg.device_id >= 0
     }
 
-    fn block_cached(&self, g: &table::Guard<'_>, id: &BlockId) -> bool {
-        (0..self.shard_count as u32).all(|s| {
-            g.find(id, s)
-                .is_some_and(|slot| g.meta(slot).state == READY)
-        })
-    }
-
     fn unpin_all(&self, slots: impl IntoIterator<Item = u32>) {
         if let Ok(mut g) = self.table.lock() {
             for s in slots {
@@ -378,53 +372,6 @@ impl Inner {
             self.wb.want(&wanted);
         }
     }
-
-    fn stats(&self) -> StoreStats {
-        let c = &self.c;
-        let mut m = StoreStats::new();
-        let load = get(&c.load_shards);
-        let l1 = get(&c.l1_hits);
-        let l2 = get(&c.l2_hits);
-        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
-        let mut put = |k: &str, v: f64| {
-            m.insert(k.to_string(), v);
-        };
-        put("l1_hit_rate", ratio(l1, load));
-        put("l2_hit_rate", ratio(l2, load.saturating_sub(l1)));
-        put("avg_load_latency_ms", c.load_latency.mean_ms());
-        put("p99_load_latency_ms", c.load_latency.quantile_ms(0.99));
-        put("load_tasks", c.load_latency.count() as f64);
-        put("load_shards", load as f64);
-        put("l1_hits", l1 as f64);
-        put("l2_hits", l2 as f64);
-        put("l2_misses", get(&c.l2_misses) as f64);
-        put("bytes_loaded_l1", get(&c.bytes_loaded_l1) as f64);
-        put("bytes_loaded_l2", get(&c.bytes_loaded_l2) as f64);
-        put("dump_shards", get(&c.dump_shards) as f64);
-        put("dump_dedup", get(&c.dump_dedup) as f64);
-        put("bytes_dumped_l1", get(&c.bytes_dumped_l1) as f64);
-        put("bytes_dumped_l2", get(&c.bytes_dumped_l2) as f64);
-        put("eviction_count", get(&c.evictions) as f64);
-        put("fills", get(&c.fills) as f64);
-        put("fill_waits", get(&c.fill_waits) as f64);
-        put("bypass_loads", get(&c.bypass_loads) as f64);
-        put("bypass_dumps", get(&c.bypass_dumps) as f64);
-        put("prefetch_shards", get(&c.prefetch_shards) as f64);
-        put("write_back_blocks", get(&c.write_back_blocks) as f64);
-        put("write_back_failures", get(&c.write_back_failures) as f64);
-        put("dirty_blocks", self.wb.dirty_blocks() as f64);
-        put("lookups", get(&c.lookups) as f64);
-        put("lookup_l1_hits", get(&c.lookup_l1_hits) as f64);
-        put("lookup_l2_hits", get(&c.lookup_l2_hits) as f64);
-        put("slots", self.table.geometry().n_slots as f64);
-        put("capacity_bytes", self.cfg.capacity_bytes as f64);
-        if let Ok(g) = self.table.lock() {
-            let used = g.used();
-            drop(g);
-            put("slots_used", f64::from(used));
-        }
-        m
-    }
 }
 
 impl Store for CacheStore {
@@ -434,59 +381,12 @@ impl Store for CacheStore {
 
     fn lookup(&self, ids: &[BlockId]) -> Result<Vec<bool>> {
         self.ensure_open()?;
-        let inner = &self.inner;
-        let mut out = Vec::with_capacity(ids.len());
-        for chunk in ids.chunks(LOCK_CHUNK) {
-            let g = inner.table.lock()?;
-            out.extend(chunk.iter().map(|id| inner.block_cached(&g, id)));
-        }
-        let l1 = out.iter().filter(|h| **h).count();
-        let misses: Vec<usize> = (0..ids.len()).filter(|&i| !out[i]).collect();
-        let mut l2 = 0;
-        if !misses.is_empty() {
-            let q: Vec<BlockId> = misses.iter().map(|&i| ids[i]).collect();
-            let r = inner.backend.lookup(&q)?;
-            for (&i, hit) in misses.iter().zip(r) {
-                out[i] = hit;
-                l2 += usize::from(hit);
-            }
-        }
-        add(&inner.c.lookups, ids.len() as u64);
-        add(&inner.c.lookup_l1_hits, l1 as u64);
-        add(&inner.c.lookup_l2_hits, l2 as u64);
-        Ok(out)
+        self.inner.lookup(ids)
     }
 
     fn lookup_on_prefix(&self, ids: &[BlockId]) -> Result<isize> {
         self.ensure_open()?;
-        let inner = &self.inner;
-        let n = ids.len();
-        let (mut i, mut l1, mut l2) = (0usize, 0u64, 0u64);
-        let result = loop {
-            {
-                let g = inner.table.lock()?;
-                while i < n && inner.block_cached(&g, &ids[i]) {
-                    i += 1;
-                    l1 += 1;
-                }
-            }
-            if i == n {
-                break n as isize - 1;
-            }
-            let r = inner.backend.lookup_on_prefix(&ids[i..])?;
-            if r < 0 {
-                break i as isize - 1;
-            }
-            i += r as usize + 1;
-            l2 += r as u64 + 1;
-            if i >= n {
-                break n as isize - 1;
-            }
-        };
-        add(&inner.c.lookups, (l1 + l2 + u64::from(i < n)).min(n as u64));
-        add(&inner.c.lookup_l1_hits, l1);
-        add(&inner.c.lookup_l2_hits, l2);
-        Ok(result)
+        self.inner.lookup_on_prefix(ids)
     }
 
     fn prefetch(&self, ids: &[BlockId]) -> Result<()> {

@@ -1,7 +1,10 @@
-//! Counters of the cache tier and a lock-free load-latency histogram.
+//! Counters of the cache tier, a lock-free load-latency histogram, and the
+//! statistics reported from them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use crate::store::StoreStats;
 
 /// Sub-buckets per power of two: the histogram's relative error is 1/8.
 const SUB: usize = 8;
@@ -119,6 +122,56 @@ pub fn add(c: &AtomicU64, n: u64) {
 /// Current value.
 pub fn get(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
+}
+
+impl super::Inner {
+    /// The cache's own statistics (the backend's are added by the caller).
+    pub(super) fn stats(&self) -> StoreStats {
+        let c = &self.c;
+        let mut m = StoreStats::new();
+        let load = get(&c.load_shards);
+        let l1 = get(&c.l1_hits);
+        let l2 = get(&c.l2_hits);
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let mut put = |k: &str, v: f64| {
+            m.insert(k.to_string(), v);
+        };
+        put("l1_hit_rate", ratio(l1, load));
+        put("l2_hit_rate", ratio(l2, load.saturating_sub(l1)));
+        put("avg_load_latency_ms", c.load_latency.mean_ms());
+        put("p99_load_latency_ms", c.load_latency.quantile_ms(0.99));
+        put("load_tasks", c.load_latency.count() as f64);
+        put("load_shards", load as f64);
+        put("l1_hits", l1 as f64);
+        put("l2_hits", l2 as f64);
+        put("l2_misses", get(&c.l2_misses) as f64);
+        put("bytes_loaded_l1", get(&c.bytes_loaded_l1) as f64);
+        put("bytes_loaded_l2", get(&c.bytes_loaded_l2) as f64);
+        put("dump_shards", get(&c.dump_shards) as f64);
+        put("dump_dedup", get(&c.dump_dedup) as f64);
+        put("bytes_dumped_l1", get(&c.bytes_dumped_l1) as f64);
+        put("bytes_dumped_l2", get(&c.bytes_dumped_l2) as f64);
+        put("eviction_count", get(&c.evictions) as f64);
+        put("fills", get(&c.fills) as f64);
+        put("fill_waits", get(&c.fill_waits) as f64);
+        put("bypass_loads", get(&c.bypass_loads) as f64);
+        put("bypass_dumps", get(&c.bypass_dumps) as f64);
+        put("prefetch_shards", get(&c.prefetch_shards) as f64);
+        put("write_back_blocks", get(&c.write_back_blocks) as f64);
+        put("write_back_failures", get(&c.write_back_failures) as f64);
+        put("dirty_blocks", self.wb.dirty_blocks() as f64);
+        put("lookups", get(&c.lookups) as f64);
+        put("lookup_l1_hits", get(&c.lookup_l1_hits) as f64);
+        put("lookup_l2_hits", get(&c.lookup_l2_hits) as f64);
+        put("slots", self.table.geometry().n_slots as f64);
+        put("capacity_bytes", self.cfg.capacity_bytes as f64);
+        if let Ok(g) = self.table.lock() {
+            let used = g.used();
+            drop(g);
+            put("slots_used", f64::from(used));
+        }
+        m
+    }
 }
 
 #[cfg(test)]

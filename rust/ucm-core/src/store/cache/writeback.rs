@@ -205,6 +205,117 @@ impl WriteBack {
     }
 }
 
+/// When entries are due: the write-back settings.
+pub struct Schedule {
+    /// `write_back_interval`.
+    pub interval: Duration,
+    /// The `lazy` policy.
+    pub lazy: bool,
+    /// `write_back_batch_size`.
+    pub batch: usize,
+}
+
+/// Blocks taken for one write.
+pub struct Batch {
+    /// Their dirty shards: (block, shard, slot).
+    pub items: Vec<(BlockId, u32, u32)>,
+    /// Per block, the shards this write covers.
+    pub blocks: Vec<(BlockId, Vec<u32>)>,
+    /// The flush generation when they were taken.
+    pub gen: u64,
+}
+
+impl State {
+    /// Takes the due entries, oldest first and at most a batch, and marks
+    /// them in flight; `Err` with when to look again when none is due.
+    /// Entries a flush is waiting for are due whatever the policy.
+    pub fn take_due(&mut self, now: Instant, s: &Schedule) -> Result<Batch, Instant> {
+        let gen = self.flush_gen;
+        let waiting = self
+            .dirty
+            .values()
+            .filter(|e| !e.inflight && e.next_try <= now)
+            .count();
+        let mut next_wake = now + super::HOUSEKEEPING;
+        let mut ready: Vec<(Instant, BlockId)> = Vec::new();
+        for (b, e) in &self.dirty {
+            if e.inflight {
+                continue;
+            }
+            let flushing = e.tried_in_flush < gen;
+            if !flushing && e.next_try > now {
+                next_wake = next_wake.min(e.next_try);
+                continue;
+            }
+            let due = flushing
+                || e.wanted
+                || (!s.lazy && (waiting >= s.batch || e.since + s.interval <= now));
+            if due {
+                ready.push((e.since, *b));
+            } else if !s.lazy {
+                next_wake = next_wake.min(e.since + s.interval);
+            }
+        }
+        if ready.is_empty() {
+            return Err(next_wake);
+        }
+        ready.sort_unstable_by_key(|(since, _)| *since);
+        ready.truncate(s.batch);
+        let mut items = Vec::new();
+        let mut blocks = Vec::new();
+        for (_, b) in ready {
+            if let Some(e) = self.dirty.get_mut(&b) {
+                e.inflight = true;
+                items.extend(e.shards.iter().map(|(&sh, &slot)| (b, sh, slot)));
+                blocks.push((b, e.shards.keys().copied().collect::<Vec<_>>()));
+            }
+        }
+        Ok(Batch { items, blocks, gen })
+    }
+
+    /// Records the outcome of a write of `blocks` taken in flush
+    /// generation `gen`: written shards leave their entry (a block with
+    /// none left is clean), a failure schedules a retry. Returns how many
+    /// blocks failed.
+    pub fn written(
+        &mut self,
+        blocks: Vec<(BlockId, Vec<u32>)>,
+        gen: u64,
+        res: &crate::error::Result<()>,
+        max_backoff: Duration,
+    ) -> u64 {
+        let now = Instant::now();
+        let mut failed = 0;
+        for (b, written) in blocks {
+            let Some(e) = self.dirty.get_mut(&b) else {
+                continue;
+            };
+            e.inflight = false;
+            e.tried_in_flush = e.tried_in_flush.max(gen);
+            match res {
+                Ok(()) => {
+                    for sh in written {
+                        e.shards.remove(&sh);
+                    }
+                    e.attempts = 0;
+                    e.last_error = None;
+                    e.wanted = false;
+                    if e.shards.is_empty() {
+                        self.dirty.remove(&b);
+                    }
+                }
+                Err(err) => {
+                    failed += 1;
+                    e.attempts += 1;
+                    e.next_try = now + backoff(e.attempts, max_backoff);
+                    e.last_error = Some(err.clone());
+                }
+            }
+        }
+        failed
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,6 +336,67 @@ mod tests {
         wb.add(&[(b, 2, 9)], false);
         assert_eq!(wb.dirty_blocks(), 1);
         assert_eq!(wb.state.lock().dirty[&b].shards.len(), 3);
+    }
+
+    #[test]
+    fn take_due_follows_the_policy_and_written_records_the_outcome() {
+        let wb = WriteBack::default();
+        let (a, b) = (BlockId([1; 16]), BlockId([2; 16]));
+        let hour = Duration::from_secs(3600);
+        let eager = Schedule {
+            interval: hour,
+            lazy: false,
+            batch: 2,
+        };
+        wb.add(&[(a, 0, 5), (a, 1, 6)], false);
+        let mut st = wb.state.lock();
+        // Young, and the batch is not full: not due.
+        assert!(st.take_due(Instant::now(), &eager).is_err());
+        drop(st);
+        wb.add(&[(b, 3, 7)], false);
+        let mut st = wb.state.lock();
+        let batch = st.take_due(Instant::now(), &eager).unwrap();
+        assert_eq!(batch.items, vec![(a, 0, 5), (a, 1, 6), (b, 3, 7)]);
+        // In flight: not taken twice.
+        assert!(st.take_due(Instant::now(), &eager).is_err());
+        let err = UcmError::NoSpace("full".into());
+        assert_eq!(st.written(batch.blocks, batch.gen, &Err(err), hour), 2);
+        assert_eq!(st.dirty[&a].attempts, 1);
+        // Backing off: not due again yet, even with a full batch.
+        assert!(st.take_due(Instant::now(), &eager).is_err());
+        st.dirty
+            .values_mut()
+            .for_each(|e| e.next_try = Instant::now());
+        let batch = st.take_due(Instant::now(), &eager).unwrap();
+        assert_eq!(st.written(batch.blocks, batch.gen, &Ok(()), hour), 0);
+        assert!(st.dirty.is_empty());
+        drop(st);
+
+        let lazy = Schedule {
+            interval: Duration::ZERO,
+            lazy: true,
+            batch: 1,
+        };
+        wb.add(&[(a, 0, 5)], false);
+        wb.add(&[(b, 0, 6)], false);
+        assert!(wb.state.lock().take_due(Instant::now(), &lazy).is_err());
+        wb.want(&[b]);
+        let batch = wb
+            .state
+            .lock()
+            .take_due(Instant::now(), &lazy)
+            .ok()
+            .unwrap();
+        assert_eq!(batch.items, vec![(b, 0, 6)]);
+        // A flush makes the rest due whatever the policy.
+        wb.state.lock().flush_gen += 1;
+        let batch = wb
+            .state
+            .lock()
+            .take_due(Instant::now(), &lazy)
+            .ok()
+            .unwrap();
+        assert_eq!(batch.items, vec![(a, 0, 5)]);
     }
 
     #[test]
@@ -276,108 +448,49 @@ mod thread {
 
     use super::super::stats::add;
     use super::super::{Inner, WriteBackPolicy, HOUSEKEEPING};
-    use super::backoff;
+    use super::Schedule;
     use crate::block::BlockId;
     use crate::error::{Result, UcmError};
 
     impl Inner {
         pub(in crate::store::cache) fn write_back_loop(self: Arc<Self>) {
-            let interval = Duration::from_millis(self.cfg.write_back_interval_ms);
+            let schedule = Schedule {
+                interval: Duration::from_millis(self.cfg.write_back_interval_ms),
+                lazy: self.cfg.write_back_policy == WriteBackPolicy::Lazy,
+                batch: self.cfg.write_back_batch_size,
+            };
             let max_backoff = Duration::from_millis(self.cfg.write_back_max_backoff_ms);
-            let lazy = self.cfg.write_back_policy == WriteBackPolicy::Lazy;
-            let batch = self.cfg.write_back_batch_size;
             let mut last_housekeeping = Instant::now();
             loop {
                 if self.cfg.share_buffer_enable && last_housekeeping.elapsed() >= HOUSEKEEPING {
                     self.housekeep();
                     last_housekeeping = Instant::now();
                 }
-                let (items, blocks, gen) = {
+                let batch = {
                     let mut st = self.wb.state.lock();
-                    let now = Instant::now();
-                    let gen = st.flush_gen;
-                    let waiting = st
-                        .dirty
-                        .values()
-                        .filter(|e| !e.inflight && e.next_try <= now)
-                        .count();
-                    let mut next_wake = now + HOUSEKEEPING;
-                    let mut ready: Vec<(Instant, BlockId)> = Vec::new();
-                    for (b, e) in &st.dirty {
-                        if e.inflight {
+                    match st.take_due(Instant::now(), &schedule) {
+                        Ok(batch) => batch,
+                        Err(next_wake) => {
+                            if st.stop {
+                                return;
+                            }
+                            self.wb.wake.wait_until(&mut st, next_wake);
                             continue;
                         }
-                        let flushing = e.tried_in_flush < gen;
-                        if !flushing && e.next_try > now {
-                            next_wake = next_wake.min(e.next_try);
-                            continue;
-                        }
-                        let due = flushing
-                            || e.wanted
-                            || (!lazy && (waiting >= batch || e.since + interval <= now));
-                        if due {
-                            ready.push((e.since, *b));
-                        } else if !lazy {
-                            next_wake = next_wake.min(e.since + interval);
-                        }
                     }
-                    if ready.is_empty() {
-                        if st.stop {
-                            return;
-                        }
-                        self.wb.wake.wait_until(&mut st, next_wake);
-                        continue;
-                    }
-                    ready.sort_unstable_by_key(|(since, _)| *since);
-                    ready.truncate(batch);
-                    let mut items = Vec::new();
-                    let mut blocks = Vec::new();
-                    for (_, b) in ready {
-                        if let Some(e) = st.dirty.get_mut(&b) {
-                            e.inflight = true;
-                            items.extend(e.shards.iter().map(|(&sh, &slot)| (b, sh, slot)));
-                            blocks.push((b, e.shards.keys().copied().collect::<Vec<_>>()));
-                        }
-                    }
-                    (items, blocks, gen)
                 };
-                let res = self.write_blocks(&items);
+                let res = self.write_blocks(&batch.items);
                 if res.is_ok() {
-                    self.after_written(&items);
+                    self.after_written(&batch.items);
                 }
                 let mut st = self.wb.state.lock();
-                let now = Instant::now();
-                for (b, written) in blocks {
-                    let Some(e) = st.dirty.get_mut(&b) else {
-                        continue;
-                    };
-                    e.inflight = false;
-                    e.tried_in_flush = e.tried_in_flush.max(gen);
-                    match &res {
-                        Ok(()) => {
-                            for sh in written {
-                                e.shards.remove(&sh);
-                            }
-                            e.attempts = 0;
-                            e.last_error = None;
-                            e.wanted = false;
-                            if e.shards.is_empty() {
-                                st.dirty.remove(&b);
-                            }
-                        }
-                        Err(err) => {
-                            add(&self.c.write_back_failures, 1);
-                            e.attempts += 1;
-                            e.next_try = now + backoff(e.attempts, max_backoff);
-                            e.last_error = Some(err.clone());
-                        }
-                    }
-                }
+                let failed = st.written(batch.blocks, batch.gen, &res, max_backoff);
+                add(&self.c.write_back_failures, failed);
                 if let Err(e) = &res {
                     log::warn!(
-                    "write-back of {} shard(s) failed (kept dirty in the cache, will retry): {e}",
-                    items.len()
-                );
+                        "write-back of {} shard(s) failed (kept dirty in the cache, will retry): {e}",
+                        batch.items.len()
+                    );
                 }
                 drop(st);
                 self.wb.progress.notify_all();

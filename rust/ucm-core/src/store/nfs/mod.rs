@@ -48,50 +48,25 @@ pub mod client;
 pub mod config;
 pub mod fs;
 
+mod assembly;
+
 pub use config::{MountOptions, NfsConfig, Target, KEYS};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nfs3_client::nfs3_types::nfs3::writeverf3;
 use parking_lot::Mutex;
 
-use self::fs::{Fs, LocalFs, RemoteFs, TempFile};
-use super::format::codec::{block_key, encode_region, is_layout_mismatch};
+use self::assembly::Assembly;
+use self::fs::{Fs, LocalFs, RemoteFs};
+use super::format::codec::{block_key, is_layout_mismatch};
 use super::remote::{run_blocking, Breaker, LookupCache, Runtime};
 use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
 use crate::block::IdMap;
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::io::AlignedBuf;
 use crate::store::format::layout::Layout;
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    Empty,
-    InFlight,
-    Done,
-}
-
-/// One block being assembled in a temporary file.
-struct Assembly {
-    tmp: String,
-    file: tokio::sync::OnceCell<std::result::Result<Arc<TempFile>, UcmError>>,
-    state: Mutex<AsmState>,
-    changed: tokio::sync::Notify,
-}
-
-struct AsmState {
-    slots: Vec<Slot>,
-    done: usize,
-    failed: Option<UcmError>,
-    verf: Option<writeverf3>,
-    last_activity: Instant,
-    /// Set once the block left the map (published, failed or abandoned).
-    closed: bool,
-    published: bool,
-}
 
 /// Counters of the NFS backend (the shell counts lookups and loads).
 #[derive(Default)]
@@ -143,9 +118,7 @@ impl RemoteStore<NfsBackend> {
         if !ignored.is_empty() {
             log::info!("nfs_mount_options: ignoring {}", ignored.join(","));
         }
-        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
         let runtime = Runtime::new("ucm-nfs", cfg.io_threads)?;
-        let handle = runtime.handle();
         let breaker = Arc::new(Breaker::default());
         let read_only = opts.read_only || !cfg.transfers_enabled();
         let ttl = if opts.lookupcache_none {
@@ -156,111 +129,33 @@ impl RemoteStore<NfsBackend> {
         let (fs, label) = match &target {
             Target::Remote { host, path } => {
                 let label = format!("nfs://{host}{path}");
-                let rpc_timeout = opts.timeo.unwrap_or_else(|| {
-                    Duration::from_millis((cfg.timeout_ms / 10).clamp(1000, 10_000))
-                });
-                let (h, p, o, conc) = (
-                    host.clone(),
-                    path.clone(),
-                    opts.clone(),
-                    cfg.max_concurrency,
-                );
-                let create = !read_only;
-                let connected = run_blocking(&handle, async move {
-                    client::Client::connect(&h, &p, &o, conc, rpc_timeout, create).await
-                });
-                let client = match connected {
-                    Ok(Ok(c)) => c,
-                    Ok(Err(e)) => {
-                        runtime.shutdown(Duration::from_secs(1));
-                        return Err(UcmError::invalid(format!(
-                            "storage_backends: cannot use {label}: {e}"
-                        )));
-                    }
+                let client = match connect(&cfg, &opts, host, path, &label, &runtime, !read_only) {
+                    Ok(c) => c,
                     Err(e) => {
                         runtime.shutdown(Duration::from_secs(1));
                         return Err(e);
                     }
                 };
-                log::info!(
-                    "NFS store over {label} (mounted {}, rtmax {} wtmax {})",
-                    client.mounted,
-                    client.rtmax,
-                    client.wtmax
-                );
                 let remote = RemoteFs::new(client, opts.sync, ttl, breaker.clone(), label.clone());
                 (Fs::Remote(Box::new(remote)), label)
             }
-            Target::Mounted(dir) => {
-                let meta = std::fs::metadata(dir).map_err(|e| {
-                    UcmError::invalid(format!(
-                        "storage_backends: directory {} is not usable: {e}",
-                        dir.display()
-                    ))
-                })?;
-                if !meta.is_dir() {
-                    return Err(UcmError::invalid(format!(
-                        "storage_backends: {} is not a directory",
-                        dir.display()
-                    )));
-                }
-                (
-                    Fs::Local(LocalFs::new(dir.clone(), cfg.io_direct)),
-                    dir.display().to_string(),
-                )
-            }
+            Target::Mounted(dir) => (
+                Fs::Local(mounted(dir, cfg.io_direct)?),
+                dir.display().to_string(),
+            ),
         };
-        if !read_only {
-            let made = match &fs {
-                Fs::Local(l) => l.create_dirs(),
-                Fs::Remote(_) => Ok(()),
-            };
-            if let Err(e) = made {
-                runtime.shutdown(Duration::from_secs(1));
-                return Err(UcmError::invalid(format!(
-                    "storage_backends: cannot create the block directories under {label}: {e}"
-                )));
-            }
-        }
-        // Absent results are never cached: a block another engine publishes
-        // is seen by the next lookup.
-        let core = RemoteCore::new(
-            layout,
-            handle,
-            LookupCache::new(ttl, Duration::ZERO, 1 << 20),
+        let shared = Arc::new(NfsBackend::new(
+            &cfg,
+            runtime.handle(),
+            (fs, label),
             breaker,
-            cfg.timeout_ms,
-            cfg.max_concurrency,
-            cfg.transfers_enabled(),
-        );
-        let shared = Arc::new(NfsBackend {
-            core,
-            assemblies: Mutex::new(IdMap::default()),
-            token: writer_token(),
-            seq: AtomicU64::new(0),
-            last_sweep: Mutex::new(Instant::now()),
-            counters: Counters::default(),
+            ttl,
             read_only,
-            fs,
-            label,
-        });
+        ));
         if !read_only {
-            if let Fs::Remote(_) = &shared.fs {
-                let s = shared.clone();
-                let made = run_blocking(&shared.core.handle, async move {
-                    match &s.fs {
-                        Fs::Remote(r) => r.create_dirs().await,
-                        Fs::Local(_) => Ok(()),
-                    }
-                })
-                .and_then(|r| r);
-                if let Err(e) = made {
-                    runtime.shutdown(Duration::from_secs(1));
-                    return Err(UcmError::invalid(format!(
-                        "storage_backends: cannot create the block directories under {}: {e}",
-                        shared.label
-                    )));
-                }
+            if let Err(e) = shared.create_dirs() {
+                runtime.shutdown(Duration::from_secs(1));
+                return Err(e);
             }
         }
         Ok(RemoteStore::new(shared, runtime))
@@ -273,258 +168,111 @@ impl RemoteStore<NfsBackend> {
     }
 }
 
+/// Mounts `host:path` with the built-in client (creating the export's
+/// directory when `create`).
+fn connect(
+    cfg: &NfsConfig,
+    opts: &MountOptions,
+    host: &str,
+    path: &str,
+    label: &str,
+    runtime: &Runtime,
+    create: bool,
+) -> Result<client::Client> {
+    let rpc_timeout = opts
+        .timeo
+        .unwrap_or_else(|| Duration::from_millis((cfg.timeout_ms / 10).clamp(1000, 10_000)));
+    let (h, p, o, conc) = (
+        host.to_string(),
+        path.to_string(),
+        opts.clone(),
+        cfg.max_concurrency,
+    );
+    let client = run_blocking(&runtime.handle(), async move {
+        client::Client::connect(&h, &p, &o, conc, rpc_timeout, create).await
+    })?
+    .map_err(|e| UcmError::invalid(format!("storage_backends: cannot use {label}: {e}")))?;
+    log::info!(
+        "NFS store over {label} (mounted {}, rtmax {} wtmax {})",
+        client.mounted,
+        client.rtmax,
+        client.wtmax
+    );
+    Ok(client)
+}
+
+/// The kernel-mounted directory `dir`, which must exist.
+fn mounted(dir: &std::path::Path, io_direct: bool) -> Result<LocalFs> {
+    let meta = std::fs::metadata(dir).map_err(|e| {
+        UcmError::invalid(format!(
+            "storage_backends: directory {} is not usable: {e}",
+            dir.display()
+        ))
+    })?;
+    if !meta.is_dir() {
+        return Err(UcmError::invalid(format!(
+            "storage_backends: {} is not a directory",
+            dir.display()
+        )));
+    }
+    Ok(LocalFs::new(dir.to_path_buf(), io_direct))
+}
+
 impl NfsBackend {
-    /// Abandons assemblies nobody added a shard to for a long time.
-    fn sweep(self: &Arc<Self>) {
-        {
-            let mut last = self.last_sweep.lock();
-            if last.elapsed() < Duration::from_secs(1) {
-                return;
-            }
-            *last = Instant::now();
-        }
-        let limit = self.core.stale_after();
-        let mut dropped = Vec::new();
-        self.assemblies.lock().retain(|id, a| {
-            let mut st = a.state.lock();
-            let idle = st.last_activity.elapsed() >= limit && !st.slots.contains(&Slot::InFlight);
-            if idle {
-                st.closed = true;
-                st.failed.get_or_insert_with(|| {
-                    UcmError::TaskFailed(format!(
-                        "block {id}: abandoned, its other shards never came"
-                    ))
-                });
-                dropped.push((*id, a.tmp.clone()));
-            }
-            !idle
-        });
-        if !dropped.is_empty() {
-            self.counters
-                .abandoned
-                .fetch_add(dropped.len() as u64, Ordering::Relaxed);
-            log::warn!(
-                "dropped {} partially dumped block(s) on {}: their other shards never came",
-                dropped.len(),
-                self.label
-            );
-            let s = self.clone();
-            self.core.handle.spawn(async move {
-                for (id, tmp) in dropped {
-                    let _ = s.fs.remove(&id, &tmp).await;
-                }
-            });
+    fn new(
+        cfg: &NfsConfig,
+        handle: tokio::runtime::Handle,
+        (fs, label): (Fs, String),
+        breaker: Arc<Breaker>,
+        ttl: Duration,
+        read_only: bool,
+    ) -> Self {
+        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        // Absent results are never cached: a block another engine publishes
+        // is seen by the next lookup.
+        let core = RemoteCore::new(
+            layout,
+            handle,
+            LookupCache::new(ttl, Duration::ZERO, 1 << 20),
+            breaker,
+            cfg.timeout_ms,
+            cfg.max_concurrency,
+            cfg.transfers_enabled(),
+        );
+        NfsBackend {
+            core,
+            assemblies: Mutex::new(IdMap::default()),
+            token: writer_token(),
+            seq: AtomicU64::new(0),
+            last_sweep: Mutex::new(Instant::now()),
+            counters: Counters::default(),
+            read_only,
+            fs,
+            label,
         }
     }
 
-    fn assembly(self: &Arc<Self>, block: &BlockId) -> Arc<Assembly> {
-        self.sweep();
-        let mut map = self.assemblies.lock();
-        if let Some(a) = map.get(block) {
-            return a.clone();
-        }
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let a = Arc::new(Assembly {
-            tmp: format!("{}.tmp.{}.{seq}", block.hex(), self.token),
-            file: tokio::sync::OnceCell::new(),
-            state: Mutex::new(AsmState {
-                slots: vec![Slot::Empty; self.core.layout.shard_count],
-                done: 0,
-                failed: None,
-                verf: None,
-                last_activity: Instant::now(),
-                closed: false,
-                published: false,
-            }),
-            changed: tokio::sync::Notify::new(),
-        });
-        map.insert(*block, a.clone());
-        a
-    }
-
-    fn forget_assembly(&self, block: &BlockId, a: &Arc<Assembly>) {
-        let mut map = self.assemblies.lock();
-        if map.get(block).is_some_and(|cur| Arc::ptr_eq(cur, a)) {
-            map.remove(block);
-        }
-    }
-
-    /// Fails an assembly: no more writes, its temporary file removed.
-    async fn fail(&self, block: &BlockId, a: &Arc<Assembly>, e: &UcmError) {
-        let first = {
-            let mut st = a.state.lock();
-            st.closed = true;
-            if st.failed.is_none() {
-                st.failed = Some(e.clone());
-                true
-            } else {
-                false
-            }
-        };
-        a.changed.notify_waiters();
-        if first {
-            self.forget_assembly(block, a);
-            let _ = self.fs.remove(block, &a.tmp).await;
-        }
-    }
-
-    /// Writes shards of one block into its temporary file; the unit that
-    /// completes the block publishes it.
-    async fn assemble(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
-        if self.core.cache.get(&block) == Some(true) {
-            // Content-addressed: the published block holds these bytes.
-            return Ok(());
-        }
-        let a = self.assembly(&block);
-        // Claim the shards nobody wrote yet and copy them out of caller
-        // memory right away (no await before: a cancelled unit never reads
-        // caller memory later).
-        let stride = self.core.layout.stride;
-        let mut mine: Vec<(usize, Arc<AlignedBuf>)> = Vec::new();
-        let mut others = Vec::new();
-        let restart = {
-            let mut st = a.state.lock();
-            if st.closed {
-                true
-            } else {
-                if let Some(e) = &st.failed {
-                    return Err(e.clone());
-                }
-                st.last_activity = Instant::now();
-                for s in &shards {
-                    match st.slots[s.index] {
-                        Slot::Done => {}
-                        Slot::InFlight => others.push(s.index),
-                        Slot::Empty => {
-                            st.slots[s.index] = Slot::InFlight;
-                            let mut buf = AlignedBuf::new(stride);
-                            // SAFETY: the caller keeps the segments valid until
-                            // its task completes; `buf` is one region long.
-                            unsafe { encode_region(&self.core.layout, s, &mut buf) };
-                            mine.push((s.index, Arc::new(buf)));
-                        }
-                    }
-                }
-                false
-            }
-        };
-        if restart {
-            // Published or failed meanwhile.
-            if self.core.cache.get(&block) == Some(true) {
-                return Ok(());
-            }
-            return Box::pin(self.clone().assemble(block, shards)).await;
-        }
-        if !mine.is_empty() {
-            let file = a
-                .file
-                .get_or_init(|| {
-                    let s = self.clone();
-                    let tmp = a.tmp.clone();
-                    async move { s.fs.create(&block, &tmp).await }
-                })
-                .await
-                .clone();
-            let file = match file {
-                Ok(f) => f,
-                Err(e) => {
-                    self.fail(&block, &a, &e).await;
-                    return Err(e);
-                }
-            };
-            let writes = mine.iter().map(|(index, buf)| {
+    /// Creates the block directories under the root.
+    fn create_dirs(self: &Arc<Self>) -> Result<()> {
+        let made = match &self.fs {
+            Fs::Local(l) => l.create_dirs(),
+            Fs::Remote(_) => {
                 let s = self.clone();
-                let file = file.clone();
-                let buf = buf.clone();
-                let off = self.core.layout.offset(*index);
-                async move { s.fs.write(&file, off, buf).await }
-            });
-            let results = futures::future::join_all(writes).await;
-            let mut verf = None;
-            for r in results {
-                match r {
-                    Ok(v) => verf = verf.or(v),
-                    Err(e) => {
-                        self.fail(&block, &a, &e).await;
-                        return Err(e);
+                run_blocking(&self.core.handle, async move {
+                    match &s.fs {
+                        Fs::Remote(r) => r.create_dirs().await,
+                        Fs::Local(_) => Ok(()),
                     }
-                }
+                })
+                .and_then(|r| r)
             }
-            self.counters
-                .shards_dumped
-                .fetch_add(mine.len() as u64, Ordering::Relaxed);
-            let verf_changed = {
-                let st = a.state.lock();
-                if let Some(e) = &st.failed {
-                    return Err(e.clone());
-                }
-                matches!((st.verf, verf), (Some(prev), Some(v)) if prev != v)
-            };
-            if verf_changed {
-                let e = UcmError::TaskFailed(format!(
-                    "{}: the server restarted while block {block} was written; it is dropped",
-                    self.label
-                ));
-                self.fail(&block, &a, &e).await;
-                return Err(e);
-            }
-            let complete = {
-                let mut st = a.state.lock();
-                st.verf = st.verf.or(verf);
-                for (index, _) in &mine {
-                    st.slots[*index] = Slot::Done;
-                    st.done += 1;
-                }
-                st.last_activity = Instant::now();
-                st.done == st.slots.len()
-            };
-            a.changed.notify_waiters();
-            if complete {
-                let verf = a.state.lock().verf;
-                let published = self.fs.publish(&block, &a.tmp, &file, verf).await;
-                return match published {
-                    Ok(()) => {
-                        {
-                            let mut st = a.state.lock();
-                            st.published = true;
-                            st.closed = true;
-                        }
-                        self.forget_assembly(&block, &a);
-                        a.changed.notify_waiters();
-                        self.core.cache.put(block, true);
-                        self.counters
-                            .blocks_published
-                            .fetch_add(1, Ordering::Relaxed);
-                        self.core
-                            .counters
-                            .bytes_dumped
-                            .fetch_add(self.core.layout.file_len(), Ordering::Relaxed);
-                        Ok(())
-                    }
-                    Err(e) => {
-                        self.counters
-                            .publish_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        self.fail(&block, &a, &e).await;
-                        Err(e)
-                    }
-                };
-            }
-        }
-        // Shards another task is writing: this unit completes with them.
-        loop {
-            let notified = a.changed.notified();
-            {
-                let st = a.state.lock();
-                if let Some(e) = &st.failed {
-                    return Err(e.clone());
-                }
-                if others.iter().all(|i| st.slots[*i] != Slot::InFlight) {
-                    return Ok(());
-                }
-            }
-            notified.await;
-        }
+        };
+        made.map_err(|e| {
+            UcmError::invalid(format!(
+                "storage_backends: cannot create the block directories under {}: {e}",
+                self.label
+            ))
+        })
     }
 }
 
@@ -573,28 +321,7 @@ impl RemoteBackend for NfsBackend {
     }
 
     fn before_shutdown(self: &Arc<Self>) {
-        // Remove the temporaries of blocks that will never complete.
-        let pending: Vec<(BlockId, String)> = self
-            .assemblies
-            .lock()
-            .drain()
-            .map(|(id, a)| (id, a.tmp.clone()))
-            .collect();
-        if !pending.is_empty() {
-            log::warn!(
-                "NFS store closed with {} partially dumped block(s); they are dropped",
-                pending.len()
-            );
-            let s = self.clone();
-            let _ = run_blocking(&self.core.handle, async move {
-                let removals = pending.iter().map(|(id, tmp)| s.fs.remove(id, tmp));
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(2),
-                    futures::future::join_all(removals),
-                )
-                .await;
-            });
-        }
+        self.drop_pending();
     }
 
     fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {

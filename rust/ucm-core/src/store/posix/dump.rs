@@ -15,7 +15,7 @@ use super::writer::{self, BlockWriter, Claim};
 use super::{evict, scan, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::io::{IoEngine, IoOp, IoRequest};
+use crate::io::{BounceBuf, IoEngine, IoOp, IoRequest};
 use crate::store::format::layout::{checksum_segs, HEADER_LEN};
 use crate::task::Task;
 
@@ -264,11 +264,51 @@ impl Shared {
         writer: &Arc<BlockWriter>,
         shard: &ShardIo,
     ) -> Result<()> {
-        let size = self.layout.shard_size;
-        let padded = self.padded();
         let bounce_needed = writer.file.direct && !self.align.fits(&shard.segs);
+        let (mut head, head_len) = self.shard_head(engine, shard, bounce_needed);
+        let iov = self.write_iov(&mut head, head_len, shard, bounce_needed);
+        let fixed = if bounce_needed {
+            head.fixed_index()
+        } else {
+            None
+        };
+        let expected: usize = iov.iter().map(|s| s.len).sum();
+        let req = IoRequest {
+            op: IoOp::Write,
+            // The writer (and so the file) lives until the completion.
+            fd: writer.file.file.as_raw_fd(),
+            offset: self.layout.offset(shard.index),
+            iov,
+            fixed,
+        };
+        let shared = self.clone();
+        let task = task.clone();
+        let writer = writer.clone();
+        let index = shard.index;
+        self.begin_io();
+        engine.submit(
+            req,
+            Box::new(move |res| {
+                drop(head);
+                let result = write_outcome(res, expected, &writer);
+                shared.written(writer, index, result, task);
+            }),
+        );
+        Ok(())
+    }
+
+    /// The buffer written first for a shard, and its length: the shard
+    /// header, followed under O_DIRECT with unaligned caller memory
+    /// (`bounce_needed`) by a zero-padded copy of the shard's bytes.
+    fn shard_head(
+        &self,
+        engine: &Arc<dyn IoEngine>,
+        shard: &ShardIo,
+        bounce_needed: bool,
+    ) -> (BounceBuf, usize) {
+        let size = self.layout.shard_size;
         let head_len = if bounce_needed {
-            HEADER_LEN + padded
+            HEADER_LEN + self.padded()
         } else {
             HEADER_LEN
         };
@@ -296,6 +336,20 @@ impl Shared {
         head[..HEADER_LEN].fill(0);
         self.header_for(shard, checksum)
             .encode(&mut head[..HEADER_LEN]);
+        (head, head_len)
+    }
+
+    /// What one shard's write gathers: its head, then, unless the head
+    /// already holds the bytes, the caller's segments and the zero padding.
+    fn write_iov(
+        &self,
+        head: &mut BounceBuf,
+        head_len: usize,
+        shard: &ShardIo,
+        bounce_needed: bool,
+    ) -> Vec<MemSeg> {
+        let size = self.layout.shard_size;
+        let padded = self.padded();
         let mut iov = vec![MemSeg {
             addr: head.as_mut_ptr() as usize,
             len: head_len,
@@ -309,64 +363,36 @@ impl Shared {
                 });
             }
         }
-        let fixed = if bounce_needed {
-            head.fixed_index()
+        iov
+    }
+
+    /// Records a finished shard write and completes it, or, when it was
+    /// the block's last, has the committer thread publish and complete it.
+    fn written(
+        self: &Arc<Self>,
+        writer: Arc<BlockWriter>,
+        index: usize,
+        result: Result<()>,
+        task: Arc<Task>,
+    ) {
+        if result.is_ok() {
+            self.counters.shards_dumped.fetch_add(1, Ordering::Relaxed);
+        }
+        let done = writer.finish(index, &result);
+        let complete = done.complete;
+        let s = self.clone();
+        let finish = move || {
+            s.after_write(&writer, done, result, &task);
+            s.end_io();
+        };
+        if complete {
+            // The rename goes to the committer thread: an I/O
+            // thread (io_uring has one) that renamed would leave
+            // the queue without new writes meanwhile.
+            self.defer(Box::new(finish));
         } else {
-            None
-        };
-        let expected: usize = iov.iter().map(|s| s.len).sum();
-        let req = IoRequest {
-            op: IoOp::Write,
-            // The writer (and so the file) lives until the completion.
-            fd: writer.file.file.as_raw_fd(),
-            offset: self.layout.offset(shard.index),
-            iov,
-            fixed,
-        };
-        let shared = self.clone();
-        let task = task.clone();
-        let writer = writer.clone();
-        let index = shard.index;
-        self.begin_io();
-        engine.submit(
-            req,
-            Box::new(move |res| {
-                drop(head);
-                let result = match res {
-                    Ok(n) if n == expected => Ok(()),
-                    Ok(n) => Err(UcmError::Os {
-                        op: "pwrite",
-                        path: writer.tmp.display().to_string(),
-                        source: Arc::new(std::io::Error::other(format!(
-                            "short write: {n} of {expected} bytes"
-                        ))),
-                    }),
-                    Err(e) => Err(UcmError::os("pwrite", &writer.tmp, e)),
-                };
-                if result.is_ok() {
-                    shared
-                        .counters
-                        .shards_dumped
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                let done = writer.finish(index, &result);
-                let complete = done.complete;
-                let s = shared.clone();
-                let finish = move || {
-                    s.after_write(&writer, done, result, &task);
-                    s.end_io();
-                };
-                if complete {
-                    // The rename goes to the committer thread: an I/O
-                    // thread (io_uring has one) that renamed would leave
-                    // the queue without new writes meanwhile.
-                    shared.defer(Box::new(finish));
-                } else {
-                    finish();
-                }
-            }),
-        );
-        Ok(())
+            finish();
+        }
     }
 
     /// Publishes or discards the block as the write outcome says, then
@@ -443,6 +469,21 @@ impl Shared {
             evict::wake(self);
         }
         Ok(())
+    }
+}
+
+/// A shard write's outcome: all `expected` bytes written, or why not.
+fn write_outcome(res: std::io::Result<usize>, expected: usize, writer: &BlockWriter) -> Result<()> {
+    match res {
+        Ok(n) if n == expected => Ok(()),
+        Ok(n) => Err(UcmError::Os {
+            op: "pwrite",
+            path: writer.tmp.display().to_string(),
+            source: Arc::new(std::io::Error::other(format!(
+                "short write: {n} of {expected} bytes"
+            ))),
+        }),
+        Err(e) => Err(UcmError::os("pwrite", &writer.tmp, e)),
     }
 }
 

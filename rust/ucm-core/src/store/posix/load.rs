@@ -85,56 +85,27 @@ impl Shared {
             return single(self, run);
         }
         let size = self.layout.shard_size;
-        let region = HEADER_LEN + size;
         let pad = self.padded() - size;
-        let n = run.len();
-        let mut heads = engine.bounce(HEADER_LEN * n);
+        let mut heads = engine.bounce(HEADER_LEN * run.len());
         // The padding between regions is read into (and overwritten in) one
         // scratch buffer: it carries nothing.
         let mut sink = (pad > 0).then(|| engine.bounce(pad));
-        let mut iov = Vec::with_capacity(n * (run[0].segs.len() + 2));
-        for (j, shard) in run.iter().enumerate() {
-            if j > 0 {
-                if let Some(sink) = sink.as_mut() {
-                    iov.push(MemSeg {
-                        addr: sink.as_mut_ptr() as usize,
-                        len: pad,
-                    });
-                }
-            }
-            iov.push(MemSeg {
-                addr: heads.as_mut_ptr() as usize + j * HEADER_LEN,
-                len: HEADER_LEN,
-            });
-            iov.extend_from_slice(&shard.segs);
-        }
+        let sink_at = sink.as_mut().map(|s| s.as_mut_ptr() as usize);
         let req = IoRequest {
             op: IoOp::Read,
             fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
             offset: self.layout.offset(run[0].index),
-            iov,
+            iov: run_iov(&run, heads.as_mut_ptr() as usize, sink_at, pad),
             fixed: None,
         };
-        let stride = region + pad;
+        let stride = HEADER_LEN + size + pad;
         let shared = self.clone();
         let task = task.clone();
         self.begin_io();
         engine.submit(
             req,
             Box::new(move |res| {
-                let outcomes: Vec<Result<()>> = run
-                    .iter()
-                    .enumerate()
-                    .map(|(j, shard)| {
-                        // What the read delivered of this shard's region.
-                        let got = match &res {
-                            Ok(n) => Ok(n.saturating_sub(j * stride).min(region)),
-                            Err(e) => Err(copy_io_error(e)),
-                        };
-                        let head = &heads[j * HEADER_LEN..(j + 1) * HEADER_LEN];
-                        shared.finish_load(shard, got, region, head, false, &task)
-                    })
-                    .collect();
+                let outcomes = shared.finish_run(&run, &res, &heads, stride, &task);
                 drop((open, pin, heads, sink));
                 for outcome in outcomes {
                     shared.complete_load(&task, outcome);
@@ -197,6 +168,31 @@ impl Shared {
         Ok(())
     }
 
+    /// The outcome of each shard of a run read with one request (`res`),
+    /// its regions `stride` bytes apart and its headers in `heads`.
+    fn finish_run(
+        &self,
+        run: &[ShardIo],
+        res: &std::io::Result<usize>,
+        heads: &[u8],
+        stride: usize,
+        task: &Task,
+    ) -> Vec<Result<()>> {
+        let region = HEADER_LEN + self.layout.shard_size;
+        run.iter()
+            .enumerate()
+            .map(|(j, shard)| {
+                // What the read delivered of this shard's region.
+                let got = match res {
+                    Ok(n) => Ok(n.saturating_sub(j * stride).min(region)),
+                    Err(e) => Err(copy_io_error(e)),
+                };
+                let head = &heads[j * HEADER_LEN..(j + 1) * HEADER_LEN];
+                self.finish_load(shard, got, region, head, false, task)
+            })
+            .collect()
+    }
+
     /// Counts and completes one loaded shard; callers release the file, pin
     /// and buffers first, so a finished task leaves the block evictable.
     pub(super) fn complete_load(&self, task: &Task, outcome: Result<()>) {
@@ -206,6 +202,8 @@ impl Shared {
         task.complete_unit(outcome);
     }
 
+    /// The outcome of one shard's read: verified, and copied out of the
+    /// bounce buffer when `bounced`; on failure, see [`Shared::load_failed`].
     pub(super) fn finish_load(
         &self,
         shard: &ShardIo,
@@ -215,11 +213,37 @@ impl Shared {
         bounced: bool,
         task: &Task,
     ) -> Result<()> {
-        let size = self.layout.shard_size;
-        let path = || self.paths.block(&shard.block);
-        let verdict = match res {
-            Err(e) => Err(UcmError::os("read", path(), e)),
-            Ok(n) if n < expected => Err(UcmError::corrupt(
+        if let Err(e) = self.verify_load(shard, res, expected, head, bounced) {
+            return Err(self.load_failed(shard, e, bounced, task));
+        }
+        if bounced {
+            let mut off = HEADER_LEN;
+            for s in &shard.segs {
+                // SAFETY: destination valid per the caller's contract;
+                // source is inside the bounce buffer we own.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(head[off..].as_ptr(), s.addr as *mut u8, s.len)
+                };
+                off += s.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks what a read delivered of one shard: all `expected` bytes, a
+    /// header of this shard and this layout, and the data's checksum (of
+    /// the bounce buffer when `bounced`, else of caller memory).
+    fn verify_load(
+        &self,
+        shard: &ShardIo,
+        res: std::io::Result<usize>,
+        expected: usize,
+        head: &[u8],
+        bounced: bool,
+    ) -> Result<()> {
+        let n = res.map_err(|e| UcmError::os("read", self.paths.block(&shard.block), e))?;
+        if n < expected {
+            return Err(UcmError::corrupt(
                 Damage::Truncated,
                 Some(shard.block),
                 Some(shard.index),
@@ -227,98 +251,81 @@ impl Shared {
                     "block {} shard {}: file is truncated ({n} of {expected} bytes)",
                     shard.block, shard.index
                 ),
-            )),
-            Ok(_) => ShardHeader::decode_expect(head, &shard.block, shard.index, &self.layout)
-                .and_then(|hdr| {
-                    let sum = if bounced {
-                        xxhash_rust::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
-                    } else {
-                        // SAFETY: the caller guarantees the segments are valid
-                        // until its task completes, which happens after this.
-                        unsafe { checksum_segs(&shard.segs) }
-                    };
-                    if sum != hdr.checksum {
-                        return Err(UcmError::corrupt(
-                            Damage::Checksum,
-                            Some(shard.block),
-                            Some(shard.index),
-                            format!(
-                                "block {} shard {}: data checksum mismatch",
-                                shard.block, shard.index
-                            ),
-                        ));
-                    }
-                    Ok(())
-                }),
+            ));
+        }
+        let hdr = ShardHeader::decode_expect(head, &shard.block, shard.index, &self.layout)?;
+        let sum = if bounced {
+            xxhash_rust::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + self.layout.shard_size])
+        } else {
+            // SAFETY: the caller guarantees the segments are valid
+            // until its task completes, which happens after this.
+            unsafe { checksum_segs(&shard.segs) }
         };
-        match verdict {
-            Ok(()) => {
-                if bounced {
-                    let mut off = HEADER_LEN;
-                    for s in &shard.segs {
-                        // SAFETY: destination valid per the caller's contract;
-                        // source is inside the bounce buffer we own.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                head[off..].as_ptr(),
-                                s.addr as *mut u8,
-                                s.len,
-                            )
-                        };
-                        off += s.len;
-                    }
-                }
-                Ok(())
-            }
-            Err(e) => {
-                if !bounced {
-                    // Don't leave foreign or corrupt bytes in caller memory.
-                    for s in &shard.segs {
-                        // SAFETY: as above.
-                        unsafe { std::ptr::write_bytes(s.addr as *mut u8, 0, s.len) };
-                    }
-                }
-                let damage = match &e {
-                    UcmError::Corrupt { damage, .. } => Some(*damage),
-                    _ => None,
-                };
-                if damage.is_some() && !bounced && self.file_verifies(shard) {
-                    // The bytes were verified in the caller's memory, which
-                    // the caller changed while they were arriving (a race in
-                    // the caller, e.g. writing a block it is loading): the
-                    // stored block is intact and stays.
-                    let e = UcmError::corrupt(
-                        Damage::DestinationChanged,
-                        Some(shard.block),
-                        Some(shard.index),
-                        format!(
-                            "block {} shard {}: the destination memory changed while the \
-                             shard was being loaded (the stored block is intact)",
-                            shard.block, shard.index
-                        ),
-                    );
-                    task.record_error(e.clone());
-                    log::warn!("{e}");
-                    return Err(e);
-                }
-                if damage == Some(Damage::OtherLayout) {
-                    // Valid for the store that wrote it (a differently
-                    // configured engine sharing the directory): left alone.
-                    task.record_error(e.clone());
-                } else if damage.is_some() {
-                    // Fail the task first: once the file is gone, the task's
-                    // other shards would report "not found" instead.
-                    task.record_error(e.clone());
-                    self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
-                    // A corrupt file would fail every later load: drop it so
-                    // the next dump of this block rewrites it.
-                    self.index.remove(&shard.block);
-                    let _ = std::fs::remove_file(path());
-                    log::warn!("{e}; the block file was removed");
-                }
-                Err(e)
+        if sum != hdr.checksum {
+            return Err(UcmError::corrupt(
+                Damage::Checksum,
+                Some(shard.block),
+                Some(shard.index),
+                format!(
+                    "block {} shard {}: data checksum mismatch",
+                    shard.block, shard.index
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Handles a shard that failed to load with `e`: clears what arrived
+    /// in caller memory, then keeps a stored block that is intact (the
+    /// caller's memory changed under the read) or of another layout, and
+    /// removes a corrupt one. Returns the error to complete the shard with.
+    fn load_failed(&self, shard: &ShardIo, e: UcmError, bounced: bool, task: &Task) -> UcmError {
+        if !bounced {
+            // Don't leave foreign or corrupt bytes in caller memory.
+            for s in &shard.segs {
+                // SAFETY: destination valid per the caller's contract.
+                unsafe { std::ptr::write_bytes(s.addr as *mut u8, 0, s.len) };
             }
         }
+        let damage = match &e {
+            UcmError::Corrupt { damage, .. } => Some(*damage),
+            _ => None,
+        };
+        if damage.is_some() && !bounced && self.file_verifies(shard) {
+            // The bytes were verified in the caller's memory, which
+            // the caller changed while they were arriving (a race in
+            // the caller, e.g. writing a block it is loading): the
+            // stored block is intact and stays.
+            let e = UcmError::corrupt(
+                Damage::DestinationChanged,
+                Some(shard.block),
+                Some(shard.index),
+                format!(
+                    "block {} shard {}: the destination memory changed while the \
+                     shard was being loaded (the stored block is intact)",
+                    shard.block, shard.index
+                ),
+            );
+            task.record_error(e.clone());
+            log::warn!("{e}");
+            return e;
+        }
+        if damage == Some(Damage::OtherLayout) {
+            // Valid for the store that wrote it (a differently
+            // configured engine sharing the directory): left alone.
+            task.record_error(e.clone());
+        } else if damage.is_some() {
+            // Fail the task first: once the file is gone, the task's
+            // other shards would report "not found" instead.
+            task.record_error(e.clone());
+            self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
+            // A corrupt file would fail every later load: drop it so
+            // the next dump of this block rewrites it.
+            self.index.remove(&shard.block);
+            let _ = std::fs::remove_file(self.paths.block(&shard.block));
+            log::warn!("{e}; the block file was removed");
+        }
+        e
     }
 
     /// Reads one shard of a block file again into private memory and checks
@@ -374,6 +381,29 @@ pub(super) fn load_runs(shards: Vec<ShardIo>) -> Vec<Vec<ShardIo>> {
         runs.push(vec![shard]);
     }
     runs
+}
+
+/// The iov of one read of a run: each shard's header into `heads` (one
+/// after the other), its bytes into caller memory, and the padding between
+/// regions into the scratch buffer at `sink` (none when `pad` is 0).
+fn run_iov(run: &[ShardIo], heads: usize, sink: Option<usize>, pad: usize) -> Vec<MemSeg> {
+    let mut iov = Vec::with_capacity(run.len() * (run[0].segs.len() + 2));
+    for (j, shard) in run.iter().enumerate() {
+        if j > 0 {
+            if let Some(sink) = sink {
+                iov.push(MemSeg {
+                    addr: sink,
+                    len: pad,
+                });
+            }
+        }
+        iov.push(MemSeg {
+            addr: heads + j * HEADER_LEN,
+            len: HEADER_LEN,
+        });
+        iov.extend_from_slice(&shard.segs);
+    }
+    iov
 }
 
 /// `std::io::Error` is not `Clone`; keeps the OS code where there is one.

@@ -17,6 +17,8 @@
 //!   workers, another engine) are found too.
 //! * Capacity: above `capacity_bytes` a background thread evicts the least
 //!   recently used unpinned blocks down to 90 % of it ([`evict`]).
+//! * Opening (directories, index, engine, threads): `open`; loads and
+//!   dumps: `load`, `dump`.
 
 mod config;
 mod dump;
@@ -25,6 +27,7 @@ pub mod files;
 pub mod index;
 mod load;
 mod maintain;
+mod open;
 pub mod scan;
 mod spare;
 mod trust;
@@ -49,7 +52,7 @@ use self::writer::BlockWriter;
 use super::{Store, StoreDebug, StoreFacts, StoreStats};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::io::{build_engine, AlignedBuf, IoEngine, IoEngineConfig};
+use crate::io::{AlignedBuf, IoEngine};
 use crate::store::format::layout::{round_up, Layout, ShardHeader, REGION_ALIGN};
 use crate::task::{TaskId, TaskRegistry, WorkerPool};
 
@@ -129,145 +132,6 @@ pub struct PosixStore {
 }
 
 impl PosixStore {
-    /// Validates `cfg`, prepares the directories, rebuilds the index from
-    /// what is on disk and starts the threads.
-    pub fn open(cfg: PosixConfig) -> Result<Self> {
-        cfg.create_missing_roots()?;
-        cfg.validate()?;
-        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
-        let paths = Paths::new(cfg.storage_backends.clone());
-        let file_len = layout.file_len();
-        let writes = cfg.transfers_enabled();
-        if writes {
-            paths.create_dirs()?;
-        }
-        trust::check_dirs(&cfg.storage_backends, cfg.strict)?;
-        let work = if writes {
-            Some(work::WorkDirs::create(&paths)?)
-        } else {
-            None
-        };
-        let spare_target = if writes { cfg.spare_files } else { 0 };
-        let work_dirs: Vec<PathBuf> = (0..paths.roots().len())
-            .map(|i| paths.work_dir(i))
-            .collect();
-        let spares = SparePool::new(&work_dirs, spare_target, file_len);
-        let mut reclaimed = 0;
-        if writes {
-            for (i, root) in paths.roots().iter().enumerate() {
-                let r = work::reclaim(root, &work_dirs[i], spares.capacity(), file_len);
-                reclaimed += r.removed;
-                spares.adopt(i, r.spares);
-            }
-        }
-        let align = cfg
-            .storage_backends
-            .iter()
-            .map(|d| files::direct_align(d))
-            .fold(DirectAlign { mem: 1, len: 1 }, |a, b| DirectAlign {
-                mem: a.mem.max(b.mem),
-                len: a.len.max(b.len),
-            });
-        let index = Arc::new(Index::default());
-        let report = scan::scan(&paths, &index, file_len, writes);
-        log::info!(
-            "posix store over {:?}: {} block(s), {} byte(s) found; {} file(s) of stopped \
-             stores and {} non-block file(s) at block names removed",
-            cfg.storage_backends,
-            report.blocks,
-            report.bytes,
-            reclaimed + report.removed_temps,
-            report.removed_foreign
-        );
-        // `auto` means io_uring for O_DIRECT files only. Buffered I/O gains
-        // nothing from io_uring: a read that hits the page cache is copied
-        // inline by the submitting thread, and its completion (the checksum
-        // pass) runs on the ring's one thread, while psync copies and
-        // verifies on all of its threads. Measured on a 2-core VM, 512 MiB of
-        // 256 KiB shards from the page cache: psync 8.6 GB/s, io_uring 5.4
-        // GB/s; from disk without O_DIRECT both reach the same speed.
-        let kind = match (cfg.io_engine, cfg.io_direct) {
-            (crate::io::IoEngineKind::Auto, false) => crate::io::IoEngineKind::Psync,
-            (kind, _) => kind,
-        };
-        let engine = build_engine(&IoEngineConfig {
-            kind,
-            threads: if kind == crate::io::IoEngineKind::Psync {
-                cfg.io_threads
-            } else {
-                cfg.io_threads.div_ceil(4).max(1)
-            },
-            queue_depth: (cfg.io_threads * 16).clamp(32, 1024) as u32,
-            ..IoEngineConfig::default()
-        })?;
-        let (commits, commit_rx) = crossbeam_channel::unbounded::<Option<CommitJob>>();
-        let shared = Arc::new(Shared {
-            opener: Opener::new(cfg.io_direct, cfg.strict),
-            layout,
-            paths,
-            align,
-            index,
-            writers: Mutex::new(Default::default()),
-            tasks: TaskRegistry::new(cfg.timeout_ms),
-            tmp_seq: AtomicU64::new(0),
-            zero_pad: AlignedBuf::new(REGION_ALIGN),
-            counters: Counters::default(),
-            inflight: Mutex::new(0),
-            inflight_cv: Condvar::new(),
-            max_inflight: (cfg.io_threads * 32).clamp(64, 1024),
-            evict_signal: (Mutex::new(evict::Signal::default()), Condvar::new()),
-            spares,
-            refill_lock: Mutex::new(()),
-            commits,
-            work: Mutex::new(work),
-            cfg,
-        });
-        // One committer renames fast enough; syncing commits (durability)
-        // wait for the disk, so they get one thread per I/O thread.
-        let committer_count = match shared.cfg.durability {
-            Durability::None => 1,
-            _ => shared.cfg.io_threads,
-        };
-        let mut committers = Vec::with_capacity(committer_count);
-        for _ in 0..committer_count {
-            let rx = commit_rx.clone();
-            committers.push(
-                std::thread::Builder::new()
-                    .name("ucm-posix-commit".into())
-                    .spawn(move || {
-                        while let Ok(Some(job)) = rx.recv() {
-                            job();
-                        }
-                    })
-                    .map_err(|e| UcmError::os("spawn thread", "ucm-posix-commit", e))?,
-            );
-        }
-        let workers = WorkerPool::new("ucm-posix", shared.cfg.io_threads)?;
-        let evictor = evict::spawn(shared.clone())?;
-        let spare_filler = if shared.spares.enabled() {
-            let s = shared.clone();
-            Some(
-                std::thread::Builder::new()
-                    .name("ucm-posix-spare".into())
-                    .spawn(move || s.spares.run(|| !s.near_capacity()))
-                    .map_err(|e| UcmError::os("spawn thread", "ucm-posix-spare", e))?,
-            )
-        } else {
-            None
-        };
-        Ok(PosixStore {
-            shared,
-            runtime: Mutex::new(Some(Runtime {
-                engine,
-                workers,
-                evictor: Some(evictor),
-                spare_filler,
-                committers,
-            })),
-            closed: AtomicBool::new(false),
-        })
-    }
-
     /// Activity counters.
     pub fn counters(&self) -> PosixStats {
         let c = &self.shared.counters;

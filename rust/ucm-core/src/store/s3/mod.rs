@@ -32,7 +32,8 @@
 //! task's deadline, and blocks whose missing shards never come are dropped
 //! after twice `timeout_ms` of inactivity. As in the Posix store, a shard's
 //! unit completes when its bytes are staged; the unit that completes a
-//! block completes when the PUT did, with its outcome.
+//! block completes when the PUT did, with its outcome. (Staging and
+//! uploads: `staging`.)
 //!
 //! # Lookups
 //!
@@ -56,6 +57,7 @@
 //! key. Credentials never appear in logs or errors.
 
 pub mod config;
+mod staging;
 
 pub use config::{S3Config, S3Location, KEYS};
 
@@ -64,33 +66,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjPath;
-use object_store::{
-    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
-};
+use object_store::{BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 use parking_lot::Mutex;
 
+use self::staging::{Staged, Upload};
 use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
 use crate::block::IdMap;
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::store::format::codec::{encode_region, is_layout_mismatch};
+use crate::store::format::codec::is_layout_mismatch;
 use crate::store::format::layout::Layout;
 use crate::store::remote::{run_blocking, Breaker, LookupCache, Runtime};
-
-type Upload = SharedFuture<BoxFuture<'static, Result<()>>>;
-
-/// One block whose shards are being assembled.
-struct Staged {
-    buf: Vec<u8>,
-    have: Vec<bool>,
-    count: usize,
-    last_activity: Instant,
-    /// Set once the block left the staging map (complete or dropped).
-    closed: bool,
-}
 
 /// Counters of the S3 backend (the shell counts lookups and loads).
 #[derive(Default)]
@@ -164,89 +152,14 @@ impl RemoteStore<S3Backend> {
         // installing fails harmlessly when a provider is already in place.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let runtime = Runtime::new("ucm-s3", cfg.io_threads)?;
-        let request_timeout = Duration::from_millis(if cfg.timeout_ms == 0 {
-            30_000
-        } else {
-            cfg.timeout_ms
-        });
-        let mut builder = AmazonS3Builder::from_env()
-            .with_bucket_name(&loc.bucket)
-            .with_virtual_hosted_style_request(cfg.virtual_hosted_style)
-            .with_retry(RetryConfig {
-                backoff: BackoffConfig {
-                    init_backoff: Duration::from_millis(50),
-                    max_backoff: Duration::from_secs(2),
-                    base: 2.0,
-                },
-                max_retries: cfg.retries,
-                retry_timeout: request_timeout,
-            })
-            .with_client_options(
-                ClientOptions::new()
-                    .with_timeout(request_timeout)
-                    .with_connect_timeout(request_timeout.min(Duration::from_secs(5)))
-                    .with_pool_max_idle_per_host(cfg.max_concurrency)
-                    .with_allow_http(cfg.endpoint.starts_with("http://")),
-            );
-        if !cfg.endpoint.is_empty() {
-            builder = builder
-                .with_endpoint(&cfg.endpoint)
-                .with_allow_http(cfg.endpoint.starts_with("http://"));
-        }
-        if !cfg.region.is_empty() {
-            builder = builder.with_region(&cfg.region);
-        } else if std::env::var("AWS_REGION").is_err()
-            && std::env::var("AWS_DEFAULT_REGION").is_err()
-        {
-            builder = builder.with_region("us-east-1");
-        }
-        if !cfg.access_key.is_empty() {
-            builder = builder
-                .with_access_key_id(&cfg.access_key)
-                .with_secret_access_key(&cfg.secret_key);
-        }
-        if !cfg.session_token.is_empty() {
-            builder = builder.with_token(&cfg.session_token);
-        }
-        let client = Arc::new(
-            builder
-                .build()
-                .map_err(|e| UcmError::invalid(format!("S3 store for {}: {e}", cfg.url)))?,
-        );
+        let client = build_client(&cfg, &loc)?;
         let prefix = if loc.prefix.is_empty() {
             ObjPath::default()
         } else {
             ObjPath::parse(&loc.prefix)
                 .map_err(|e| UcmError::invalid(format!("storage_backends: {e}")))?
         };
-        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
-        let core = RemoteCore::new(
-            layout,
-            runtime.handle(),
-            LookupCache::new(
-                Duration::from_millis(cfg.lookup_cache_ttl_ms),
-                Duration::from_millis(cfg.negative_cache_ttl_ms),
-                1 << 20,
-            ),
-            Arc::new(Breaker::default()),
-            cfg.timeout_ms,
-            cfg.max_concurrency,
-            cfg.transfers_enabled(),
-        );
-        let shared = Arc::new(S3Backend {
-            core,
-            location: format!("s3://{}/{}", loc.bucket, loc.prefix),
-            limiter: tokio::sync::Semaphore::new(cfg.max_concurrency),
-            staging: Mutex::new(IdMap::default()),
-            uploads: Mutex::new(IdMap::default()),
-            staged_bytes: AtomicU64::new(0),
-            room: tokio::sync::Notify::new(),
-            counters: Counters::default(),
-            client,
-            prefix,
-            loc,
-            cfg,
-        });
+        let shared = Arc::new(S3Backend::new(cfg, loc, client, prefix, runtime.handle()));
         if let Err(e) = shared.check_access() {
             runtime.shutdown(Duration::from_secs(1));
             return Err(e);
@@ -271,7 +184,100 @@ impl RemoteStore<S3Backend> {
     }
 }
 
+/// The bucket's client: retries, timeouts and connection pool per `cfg`.
+fn build_client(cfg: &S3Config, loc: &S3Location) -> Result<Arc<AmazonS3>> {
+    let request_timeout = Duration::from_millis(if cfg.timeout_ms == 0 {
+        30_000
+    } else {
+        cfg.timeout_ms
+    });
+    let builder = AmazonS3Builder::from_env()
+        .with_bucket_name(&loc.bucket)
+        .with_virtual_hosted_style_request(cfg.virtual_hosted_style)
+        .with_retry(RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(50),
+                max_backoff: Duration::from_secs(2),
+                base: 2.0,
+            },
+            max_retries: cfg.retries,
+            retry_timeout: request_timeout,
+        })
+        .with_client_options(
+            ClientOptions::new()
+                .with_timeout(request_timeout)
+                .with_connect_timeout(request_timeout.min(Duration::from_secs(5)))
+                .with_pool_max_idle_per_host(cfg.max_concurrency)
+                .with_allow_http(cfg.endpoint.starts_with("http://")),
+        );
+    let client = with_account(builder, cfg)
+        .build()
+        .map_err(|e| UcmError::invalid(format!("S3 store for {}: {e}", cfg.url)))?;
+    Ok(Arc::new(client))
+}
+
+/// The endpoint, region and credentials `cfg` names; what it leaves empty
+/// comes from the environment (the region defaults to `us-east-1`).
+fn with_account(mut builder: AmazonS3Builder, cfg: &S3Config) -> AmazonS3Builder {
+    if !cfg.endpoint.is_empty() {
+        builder = builder
+            .with_endpoint(&cfg.endpoint)
+            .with_allow_http(cfg.endpoint.starts_with("http://"));
+    }
+    if !cfg.region.is_empty() {
+        builder = builder.with_region(&cfg.region);
+    } else if std::env::var("AWS_REGION").is_err() && std::env::var("AWS_DEFAULT_REGION").is_err() {
+        builder = builder.with_region("us-east-1");
+    }
+    if !cfg.access_key.is_empty() {
+        builder = builder
+            .with_access_key_id(&cfg.access_key)
+            .with_secret_access_key(&cfg.secret_key);
+    }
+    if !cfg.session_token.is_empty() {
+        builder = builder.with_token(&cfg.session_token);
+    }
+    builder
+}
+
 impl S3Backend {
+    fn new(
+        cfg: S3Config,
+        loc: S3Location,
+        client: Arc<AmazonS3>,
+        prefix: ObjPath,
+        handle: tokio::runtime::Handle,
+    ) -> Self {
+        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        let core = RemoteCore::new(
+            layout,
+            handle,
+            LookupCache::new(
+                Duration::from_millis(cfg.lookup_cache_ttl_ms),
+                Duration::from_millis(cfg.negative_cache_ttl_ms),
+                1 << 20,
+            ),
+            Arc::new(Breaker::default()),
+            cfg.timeout_ms,
+            cfg.max_concurrency,
+            cfg.transfers_enabled(),
+        );
+        S3Backend {
+            core,
+            location: format!("s3://{}/{}", loc.bucket, loc.prefix),
+            limiter: tokio::sync::Semaphore::new(cfg.max_concurrency),
+            staging: Mutex::new(IdMap::default()),
+            uploads: Mutex::new(IdMap::default()),
+            staged_bytes: AtomicU64::new(0),
+            room: tokio::sync::Notify::new(),
+            counters: Counters::default(),
+            client,
+            prefix,
+            loc,
+            cfg,
+        }
+    }
+
     fn path(&self, id: &BlockId) -> ObjPath {
         let (dir, name) = crate::store::format::codec::block_key(id);
         self.prefix.clone().join(dir).join(name)
@@ -373,204 +379,6 @@ impl S3Backend {
             self.core.breaker.trip(&err.to_string());
         }
         err
-    }
-
-    /// Drops staged blocks nobody added a shard to for a long time.
-    fn sweep_stale(&self) {
-        let limit = self.core.stale_after();
-        let mut map = self.staging.lock();
-        let before = map.len();
-        map.retain(|_, st| {
-            let mut st = st.lock();
-            if st.last_activity.elapsed() < limit {
-                return true;
-            }
-            st.closed = true;
-            self.staged_bytes
-                .fetch_sub(st.buf.len() as u64, Ordering::AcqRel);
-            st.buf = Vec::new();
-            false
-        });
-        let dropped = before - map.len();
-        if dropped > 0 {
-            self.counters
-                .stale_dropped
-                .fetch_add(dropped as u64, Ordering::Relaxed);
-            log::warn!(
-                "dropped {dropped} partially dumped block(s): their other shards never came"
-            );
-            self.room.notify_waiters();
-        }
-    }
-
-    /// Reserves staging room for one block, waiting while the buffer is full.
-    async fn reserve(&self) -> Result<()> {
-        let need = self.core.layout.file_len();
-        let budget = self.cfg.staging_bytes.max(need);
-        loop {
-            let notified = self.room.notified();
-            let cur = self.staged_bytes.load(Ordering::Acquire);
-            if cur + need <= budget {
-                if self
-                    .staged_bytes
-                    .compare_exchange(cur, cur + need, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    return Ok(());
-                }
-                continue;
-            }
-            self.sweep_stale();
-            let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
-        }
-    }
-
-    fn release(&self, bytes: u64) {
-        self.staged_bytes.fetch_sub(bytes, Ordering::AcqRel);
-        self.room.notify_waiters();
-    }
-
-    /// Stages shards of one block; the unit that completes the block
-    /// waits for its upload.
-    async fn stage(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
-        if self.core.cache.get(&block) == Some(true) {
-            // Content-addressed: the stored block already holds these bytes.
-            return Ok(());
-        }
-        let mut reserved = false;
-        let entry = loop {
-            {
-                let mut map = self.staging.lock();
-                let upload = self.uploads.lock().get(&block).cloned();
-                if let Some(up) = upload {
-                    drop(map);
-                    if reserved {
-                        self.release(self.core.layout.file_len());
-                    }
-                    return up.await;
-                }
-                if let Some(e) = map.get(&block) {
-                    if reserved {
-                        self.release(self.core.layout.file_len());
-                    }
-                    break e.clone();
-                }
-                if reserved {
-                    let e = Arc::new(Mutex::new(Staged {
-                        buf: vec![0u8; self.core.layout.file_len() as usize],
-                        have: vec![false; self.core.layout.shard_count],
-                        count: 0,
-                        last_activity: Instant::now(),
-                        closed: false,
-                    }));
-                    map.insert(block, e.clone());
-                    break e;
-                }
-            }
-            self.reserve().await?;
-            reserved = true;
-        };
-        // Copy the shards in (no await while holding the entry: a cancelled
-        // future never leaves a half-copied shard behind).
-        let complete = {
-            let mut st = entry.lock();
-            if st.closed {
-                None
-            } else {
-                Some(self.stage_shards(&mut st, &shards))
-            }
-        };
-        let complete = match complete {
-            // Completed or dropped meanwhile: start over (cheap and rare).
-            None => return Box::pin(self.clone().stage(block, shards)).await,
-            Some(c) => c,
-        };
-        let Some(buf) = complete else {
-            return Ok(());
-        };
-        let up = self.clone().start_upload(block, buf);
-        up.await
-    }
-
-    /// Copies shards into a staged block; the whole buffer once complete.
-    fn stage_shards(&self, st: &mut Staged, shards: &[ShardIo]) -> Option<Vec<u8>> {
-        {
-            for s in shards {
-                if st.have[s.index] {
-                    continue;
-                }
-                let off = self.core.layout.offset(s.index) as usize;
-                let stride = self.core.layout.stride;
-                // SAFETY: the caller keeps the segments valid until its task
-                // completes; the region lies inside the block buffer.
-                unsafe { encode_region(&self.core.layout, s, &mut st.buf[off..off + stride]) };
-                st.have[s.index] = true;
-                st.count += 1;
-            }
-            st.last_activity = Instant::now();
-            if st.count == self.core.layout.shard_count {
-                st.closed = true;
-                Some(std::mem::take(&mut st.buf))
-            } else {
-                None
-            }
-        }
-    }
-
-    /// Moves a complete block from staging to an upload that runs to its end
-    /// on the runtime (even if the task that completed it times out).
-    fn start_upload(self: Arc<Self>, block: BlockId, buf: Vec<u8>) -> Upload {
-        let len = buf.len() as u64;
-        let (tx, rx) = tokio::sync::oneshot::channel::<Result<()>>();
-        let up: Upload = async move { rx.await.unwrap_or(Err(UcmError::Closed)) }
-            .boxed()
-            .shared();
-        {
-            // Registered before the PUT starts, so the PUT's own removal
-            // always comes after (a finished upload never lingers).
-            let mut map = self.staging.lock();
-            map.remove(&block);
-            self.uploads.lock().insert(block, up.clone());
-        }
-        let s = self.clone();
-        self.core.handle.spawn(async move {
-            let outcome = async {
-                s.core.breaker.check(&format!("upload of block {block}"))?;
-                let path = s.path(&block);
-                let _permit = s.limiter.acquire().await;
-                s.counters.puts.fetch_add(1, Ordering::Relaxed);
-                match s
-                    .client
-                    .put(&path, PutPayload::from(Bytes::from(buf)))
-                    .await
-                {
-                    Ok(_) => {
-                        s.core.breaker.reset();
-                        Ok(())
-                    }
-                    Err(e) => Err(s.note_err("PUT", &s.url_of(&block), e)),
-                }
-            }
-            .await;
-            match &outcome {
-                Ok(()) => {
-                    s.counters.blocks_uploaded.fetch_add(1, Ordering::Relaxed);
-                    s.core
-                        .counters
-                        .bytes_dumped
-                        .fetch_add(len, Ordering::Relaxed);
-                    s.core.cache.put(block, true);
-                }
-                Err(_) => {
-                    s.counters.upload_failures.fetch_add(1, Ordering::Relaxed);
-                    s.core.cache.forget(&block);
-                }
-            }
-            s.uploads.lock().remove(&block);
-            s.release(len);
-            let _ = tx.send(outcome);
-        });
-        up
     }
 }
 
