@@ -93,6 +93,14 @@ pub trait Store: Send + Sync {
         Ok(())
     }
 
+    /// True when reading a block again costs no more than a local read (a
+    /// file on this host, often from the page cache), so a tier above may
+    /// read it twice rather than put a copy on a load's critical path.
+    /// Remote stores keep the default: a second read is a second request.
+    fn reads_are_local(&self) -> bool {
+        false
+    }
+
     /// The store's figures (see [`StoreStats`]); empty by default.
     fn stats(&self) -> StoreStats {
         StoreStats::new()

@@ -102,6 +102,7 @@ pub struct Counters {
     pub bytes_dumped_l2: AtomicU64,
     pub evictions: AtomicU64,
     pub fills: AtomicU64,
+    pub fills_after_load: AtomicU64,
     pub fill_waits: AtomicU64,
     pub bypass_loads: AtomicU64,
     pub bypass_dumps: AtomicU64,
@@ -153,6 +154,7 @@ impl super::Inner {
         put("bytes_dumped_l2", get(&c.bytes_dumped_l2) as f64);
         put("eviction_count", get(&c.evictions) as f64);
         put("fills", get(&c.fills) as f64);
+        put("fills_after_load", get(&c.fills_after_load) as f64);
         put("fill_waits", get(&c.fill_waits) as f64);
         put("bypass_loads", get(&c.bypass_loads) as f64);
         put("bypass_dumps", get(&c.bypass_dumps) as f64);

@@ -256,6 +256,11 @@ impl Transport {
         self.cuda.is_some()
     }
 
+    /// True when `segs` are host memory, copied with `memcpy`.
+    pub fn is_host(&self, segs: &[MemSeg]) -> bool {
+        self.device_path(segs).is_none()
+    }
+
     fn device_path(&self, segs: &[MemSeg]) -> Option<&CudaPath> {
         let cuda = self.cuda.as_ref()?;
         match self.mode {

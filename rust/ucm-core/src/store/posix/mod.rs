@@ -320,6 +320,10 @@ impl Store for PosixStore {
         "Posix"
     }
 
+    fn reads_are_local(&self) -> bool {
+        true
+    }
+
     fn lookup(&self, ids: &[BlockId]) -> Result<Vec<bool>> {
         if self.closed.load(Ordering::Acquire) {
             return Err(UcmError::Closed);
