@@ -590,6 +590,56 @@ fn restart_after_flush_finds_everything_in_posix() {
     }
 }
 
+/// The cache's memory is committed in the background from start-up, so a
+/// dump into a fresh process's cache pays no first-touch page faults; with
+/// `prefault: false` it is committed as slots are used.
+#[test]
+fn cache_memory_is_committed_at_start_up_unless_disabled() {
+    let area = 256 * SHARD;
+    let (cache, _) = mem_cache(cfg(256));
+    until("the data area committed", || {
+        cache.resident_data_bytes().unwrap() >= area
+    });
+    cache.close().unwrap();
+    let (lazy, _) = mem_cache(CacheConfig {
+        prefault: false,
+        ..cfg(256)
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(lazy.resident_data_bytes().unwrap() < area / 4);
+    dump(&lazy, 1).unwrap();
+    assert!(lazy.resident_data_bytes().unwrap() >= SHARDS * SHARD);
+    lazy.close().unwrap();
+}
+
+/// A cold load over a local backend reads straight into the caller's
+/// memory and fills the cache afterwards, so the caller never waits for
+/// the slot's first touch or a second copy. The cache is filled all the
+/// same: the next load of the block is a hit with the same bytes.
+#[test]
+fn a_cold_load_over_posix_reads_into_the_caller_then_fills_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let posix = Arc::new(PosixStore::open(posix_cfg(dir.path())).unwrap());
+    for n in 0..4 {
+        dump(posix.as_ref(), n).unwrap();
+    }
+    let cache = CacheStore::open(cfg(64), posix).unwrap();
+    for n in 0..4 {
+        load(&cache, n).unwrap();
+    }
+    until("the fills after the loads", || {
+        cache.stats()["fills_after_load"] == (4 * SHARDS) as f64
+    });
+    for n in 0..4 {
+        assert!(cache.cached(&id(n)).unwrap());
+        load(&cache, n).unwrap();
+    }
+    let s = cache.stats();
+    assert_eq!(s["l1_hit_rate"], 0.5);
+    assert_eq!(s["bytes_loaded_l2"], (4 * SHARDS * SHARD) as f64);
+    cache.close().unwrap();
+}
+
 /// A dump that finds slots for only some shards of a block writes the rest
 /// through to the backend, where the block stays unpublished until the
 /// cached shards are written back. A load of that block right after the

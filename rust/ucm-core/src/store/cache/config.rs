@@ -103,6 +103,12 @@ pub const KEYS: &[Key] = &[
         "Put the cache in /dev/shm, shared by every process with the same unique_id.",
     ),
     Key::new(
+        "cache_prefault",
+        Kind::Bool,
+        Dflt::Is("true"),
+        "Commit the cache's memory in the background from start-up, so no dump pays first-touch page faults (false: committed as used).",
+    ),
+    Key::new(
         "unique_id",
         Kind::Text,
         Dflt::Is(""),
@@ -230,6 +236,8 @@ pub struct CacheConfig {
     /// Put the cache in `/dev/shm` shared by every process with the same
     /// `unique_id`.
     pub share_buffer_enable: bool,
+    /// Commit the data area in the background from start-up.
+    pub prefault: bool,
     /// Names the shared segment.
     pub unique_id: String,
     /// Task timeout from submit, 0 = none.
@@ -254,6 +262,7 @@ impl Default for CacheConfig {
             copy_threads: 4,
             backend_threads: 8,
             share_buffer_enable: false,
+            prefault: true,
             unique_id: String::new(),
             timeout_ms: 30_000,
         }
@@ -325,6 +334,7 @@ impl CacheConfig {
             copy_threads: v.usize("cache_copy_threads"),
             backend_threads: v.usize("cache_backend_threads"),
             share_buffer_enable: v.bool("share_buffer_enable"),
+            prefault: v.bool("cache_prefault"),
             unique_id: v.text("unique_id").to_string(),
             timeout_ms: v.u64("timeout_ms"),
         };

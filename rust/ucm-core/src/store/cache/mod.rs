@@ -57,6 +57,7 @@ mod dump;
 mod load;
 mod lookup;
 pub mod policy;
+mod prefault;
 mod prefetch;
 pub mod region;
 mod stats;
@@ -144,6 +145,7 @@ struct Inner {
 }
 
 struct Runtime {
+    prefault: Option<prefault::Prefault>,
     copy: WorkerPool,
     waits: WorkerPool,
     writer: Option<JoinHandle<()>>,
@@ -196,6 +198,11 @@ impl CacheStore {
         if inner.transfers() {
             inner.housekeep();
         }
+        let prefault = if inner.cfg.prefault && inner.transfers() {
+            Some(prefault::Prefault::start(inner.clone())?)
+        } else {
+            None
+        };
         let copy = WorkerPool::new("ucm-cache-copy", inner.cfg.copy_threads)?;
         let waits = WorkerPool::new("ucm-cache-wait", inner.cfg.backend_threads)?;
         let wb_inner = inner.clone();
@@ -216,6 +223,7 @@ impl CacheStore {
         Ok(CacheStore {
             inner,
             rt: Mutex::new(Some(Runtime {
+                prefault,
                 copy,
                 waits,
                 writer: Some(writer),
@@ -247,6 +255,27 @@ impl CacheStore {
     /// True when copies to device memory use CUDA.
     pub fn has_cuda(&self) -> bool {
         self.inner.transport.has_cuda()
+    }
+
+    /// Bytes of the data area backed by memory right now (`mincore`), to
+    /// see what start-up committed.
+    pub fn resident_data_bytes(&self) -> Result<usize> {
+        let (base, len) = self.inner.table.data_area();
+        let page = 4096usize;
+        let start = base as usize & !(page - 1);
+        let span = base as usize + len - start;
+        let mut vec = vec![0u8; span.div_ceil(page)];
+        // SAFETY: the range lies inside the cache's live mapping and `vec`
+        // has one byte per page of it.
+        let rc = unsafe { libc::mincore(start as *mut libc::c_void, span, vec.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(UcmError::os(
+                "mincore",
+                "cache data area",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(vec.iter().filter(|b| *b & 1 == 1).count() * page)
     }
 
     /// Whether every shard of `id` is in the cache (ready), without asking
@@ -443,6 +472,7 @@ impl Store for CacheStore {
         };
         // Finish queued and running transfers first (joins the pools), then
         // write everything dirty down, then stop the writer.
+        drop(rt.prefault.take());
         drop(rt.copy);
         drop(rt.waits);
         let flushed = if self.inner.transfers() {
