@@ -1,0 +1,191 @@
+"""The default pipeline against its own lower tier: ``Cache|Posix`` vs
+``Posix`` alone, same blocks, same run.
+
+Each measurement runs in a fresh process, as a fresh engine would: the
+Cache tier's slot memory has never been touched there, so its first-touch
+page faults are part of what is measured (their count is printed). The
+block files are in the page cache for the loads ("from memory"), and the
+caller's memory is touched beforehand, like a KV cache vLLM allocated at
+start-up, and the store is opened 2 s before the timed call, as an engine
+opens it before loading its model. Printed, as GB/s medians and ratios:
+
+* cold load (nothing in the Cache tier yet): ``Cache|Posix`` vs ``Posix``;
+* dump until persisted (``wait()`` then ``flush()``): ``Cache|Posix`` vs
+  ``Posix``;
+* dump until ``wait()`` returns and hot load (every block in the Cache
+  tier): ``Cache|Posix`` vs the machine's memcpy of the same bytes;
+* the minor page faults taken inside each timed call.
+
+    python benches/pipeline_bench.py [--dir DIR] [--mib 256] [--shard-kib 1024] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ucm.store import UcmConnectorFactory
+
+SETTLE_S = 2.0
+
+
+def make_store(root: Path, pipeline: str, shard: int, total: int) -> Any:
+    cfg: dict[str, Any] = {
+        "store_pipeline": pipeline,
+        "storage_backends": str(root),
+        "block_size": shard,
+        "shard_size": shard,
+        "tensor_size_list": [shard],
+        "timeout_ms": 0,
+    }
+    if pipeline.startswith("Cache"):
+        cfg["cache_buffer_capacity_gb"] = max(1.0, 2 * total / 2**30)
+    return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+
+
+def ids_for(n: int) -> list[bytes]:
+    return [b"pipebench" + i.to_bytes(7, "little") for i in range(n)]
+
+
+def minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def rows(buf: torch.Tensor, shard: int) -> list[list[torch.Tensor]]:
+    return [[buf[i * shard : (i + 1) * shard]] for i in range(buf.numel() // shard)]
+
+
+def timed(fn: Any) -> tuple[float, int]:
+    f0 = minflt()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, minflt() - f0
+
+
+def child(case: str, root: Path, total: int, shard: int) -> dict[str, float]:
+    """One measurement in this (fresh) process; prints nothing itself."""
+    n = total // shard
+    ids = ids_for(n)
+    src = torch.from_numpy(np.random.default_rng(7).integers(0, 255, total, dtype=np.uint8))
+    dst = torch.ones(total, dtype=torch.uint8)  # touched, like a KV cache
+    out: dict[str, float] = {}
+    if case == "memcpy":
+        dst.copy_(src)  # both sides touched before timing
+        secs = min(timed(lambda: dst.copy_(src))[0] for _ in range(5))
+        out["gbps"] = total / secs / 1e9
+        return out
+    pipeline, _, op = case.partition(":")
+    store = make_store(root, pipeline, shard, total)
+    # An engine opens its store seconds before the first request (model
+    # load, KV cache allocation, warm-up); give both pipelines that time.
+    time.sleep(SETTLE_S)
+    if op == "seed":
+        store.wait(store.dump(ids, [0] * n, rows(src, shard)))
+        store.flush()
+    elif op == "dump":
+        secs, faults = timed(lambda: store.wait(store.dump(ids, [0] * n, rows(src, shard))))
+        persisted = secs + timed(store.flush)[0]
+        out.update(wait_gbps=total / secs / 1e9, persisted_gbps=total / persisted / 1e9)
+        out["faults"] = faults
+    elif op == "load":
+        secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+        if not torch.equal(src, dst):
+            raise SystemExit("loaded bytes differ")
+        out.update(cold_gbps=total / secs / 1e9, faults=faults)
+        if pipeline.startswith("Cache"):
+            # Hot: every block now sits in the Cache tier (the fills after
+            # the cold load may still be running; let them finish).
+            time.sleep(0.5)
+            dst.zero_()
+            secs, hot_faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+            if not torch.equal(src, dst):
+                raise SystemExit("hot-loaded bytes differ")
+            out.update(hot_gbps=total / secs / 1e9, hot_faults=hot_faults)
+    store.close()
+    return out
+
+
+def run_child(case: str, root: Path, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        case,
+        "--dir",
+        str(root),
+        "--mib",
+        str(args.mib),
+        "--shard-kib",
+        str(args.shard_kib),
+    ]
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def median(results: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path("target"), help="parent of the scratch dir")
+    ap.add_argument("--mib", type=int, default=256, help="MiB moved per measurement")
+    ap.add_argument("--shard-kib", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    total, shard = args.mib << 20, args.shard_kib << 10
+    if args.child:
+        print(json.dumps(child(args.child, args.dir, total, shard)))
+        return
+    args.dir.mkdir(parents=True, exist_ok=True)
+    res: dict[str, list[dict[str, float]]] = {}
+    pipes = ("Posix", "Cache|Posix")
+    for _ in range(args.rounds):
+        res.setdefault("memcpy", []).append(run_child("memcpy", args.dir, args))
+        for pipe in pipes:
+            with tempfile.TemporaryDirectory(dir=args.dir) as d:
+                res.setdefault(f"{pipe}:dump", []).append(run_child(f"{pipe}:dump", Path(d), args))
+            with tempfile.TemporaryDirectory(dir=args.dir) as d:
+                run_child("Posix:seed", Path(d), args)
+                # A first read puts the files in the page cache for both.
+                run_child("Posix:load", Path(d), args)
+                res.setdefault(f"{pipe}:load", []).append(run_child(f"{pipe}:load", Path(d), args))
+    mem = median(res["memcpy"], "gbps")
+    print(
+        f"Cache|Posix vs Posix, {args.mib} MiB in {args.shard_kib} KiB blocks, "
+        f"fresh process per measurement (GB/s, median of {args.rounds})"
+    )
+    print(f"  memcpy of the same bytes: {mem:6.2f}")
+    print(f"  {'case':<30}{'Posix':>8}{'Cache|Posix':>13}{'ratio':>8}{'faults P / C|P':>18}")
+    for label, op, key in (
+        ("cold load (page cache)", "load", "cold_gbps"),
+        ("dump until persisted", "dump", "persisted_gbps"),
+        ("dump until wait()", "dump", "wait_gbps"),
+    ):
+        p, c = (median(res[f"{pipe}:{op}"], key) for pipe in pipes)
+        fp, fc = (int(median(res[f"{pipe}:{op}"], "faults")) for pipe in pipes)
+        print(f"  {label:<30}{p:8.2f}{c:13.2f}{c / p:8.2f}{fp:>9} / {fc}")
+    wait = median(res["Cache|Posix:dump"], "wait_gbps")
+    hot = median(res["Cache|Posix:load"], "hot_gbps")
+    hot_faults = int(median(res["Cache|Posix:load"], "hot_faults"))
+    print(f"  Cache|Posix dump until wait(): {wait:6.2f}  x{wait / mem:4.2f} of memcpy")
+    print(
+        f"  Cache|Posix hot load:          {hot:6.2f}  x{hot / mem:4.2f} of memcpy"
+        f" ({hot_faults} faults)"
+    )
+
+
+if __name__ == "__main__":
+    main()
