@@ -1,10 +1,12 @@
 """``ucm store`` on the remote stages: S3 against a real S3-compatible
 server (``moto_server``), NFS through a kernel-mounted export (a directory
 in the Posix layout; here a temporary directory the NFS stage writes as it
-writes a mount), and the built-in NFS client's URLs, which it refuses."""
+writes a mount) and through the built-in client against NFS-Ganesha."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from support.remote_helpers import SHARD, SHARDS, bid, dump
-from support.servers import MotoServer
+from support.servers import MotoServer, NfsServer
 
 from ucm.cli import main
 from ucm.store import UcmConnectorFactory
@@ -32,6 +34,16 @@ def moto() -> Iterator[MotoServer]:
         server = MotoServer()
     except FileNotFoundError as e:
         pytest.skip(f"{e} is not installed")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def nfs() -> Iterator[NfsServer]:
+    try:
+        server = NfsServer()
+    except (FileNotFoundError, PermissionError) as e:
+        pytest.skip(f"no NFS server: {e}")
     yield server
     server.close()
 
@@ -123,12 +135,38 @@ def test_nfs_through_a_mount_is_a_directory(tmp_path: Path) -> None:
     assert code == 0 and "2 of 2 block(s) verified, 0 corrupt" in out, out
 
 
-def test_nfs_urls_of_the_built_in_client_are_refused(tmp_path: Path) -> None:
-    conf = write_config(
-        tmp_path / "nfs.yaml",
-        {"store_pipeline": "NFS", "storage_backends": "nfs://127.0.0.1/export/kv"},
-    )
-    for cmd in ("info", "ls", "verify", "gc"):
-        code, out = run(cmd, "--config", conf)
-        assert code != 0, out
-        assert "mount the export" in out and "nfs://127.0.0.1/export/kv" in out, out
+def test_nfs_through_the_built_in_client(nfs: NfsServer, tmp_path: Path) -> None:
+    cfg = {"store_pipeline": "NFS", "storage_backends": nfs.url("cli")}
+    with nfs.in_netns():
+        fill(cfg, [6, 7, 8])
+    root = nfs.export / "cli"
+    conf = write_config(tmp_path / "nfs.yaml", cfg)
+    h = bid(7).hex()
+    # A temporary of a writer gone for two hours, and one being written.
+    old = root / h[:2] / f"{h}.tmp.0badc0de.1"
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    fresh = root / h[:2] / f"{h}.tmp.0badc0de.2"
+    fresh.write_bytes(b"x")
+    with nfs.in_netns():
+        code, out = run("info", "--config", conf)
+        assert code == 0 and f"store      NFS at {nfs.url('cli')}" in out, out
+        assert "blocks     3" in out, out
+        code, out = run("ls", "--config", conf)
+        assert code == 0 and {bid(n).hex() for n in (6, 7, 8)} <= set(out.split()), out
+        code, out = run("verify", "--config", conf)
+        assert code == 0 and "3 of 3 block(s) verified, 0 corrupt" in out, out
+    path = root / h[:2] / h
+    raw = bytearray(path.read_bytes())
+    raw[(4096 + SHARD) + 4096 + 10] ^= 1
+    path.write_bytes(bytes(raw))
+    with nfs.in_netns():
+        code, out = run("verify", "--config", conf)
+        assert code == 1 and f"corrupt {h}" in out, out
+        code, out = run("gc", "--config", conf)
+        assert code == 0 and "removed 1 temporary file(s)" in out, out
+        assert "1 corrupt block(s)" in out, out
+        assert not path.exists() and not old.exists() and fresh.exists()
+        code, out = run("clear", "--config", conf, "--yes")
+        assert code == 0 and "removed 2 block(s)" in out, out
+        assert "blocks     0" in run("info", "--config", conf)[1]

@@ -49,7 +49,7 @@ impl PyMaintenance {
             "NFS" => {
                 let v = location_values(py, s, values)?;
                 let cfg = NfsConfig::from_values(&v).map_err(cfg_err)?;
-                Arc::new(nfs_maintenance(&cfg).py_err()?)
+                Arc::from(py.detach(|| nfs_maintenance(&cfg)).py_err()?)
             }
             "S3" => {
                 let v = location_values(py, s, values)?;
