@@ -91,3 +91,41 @@ def test_log_level_env_controls_python_and_rust_logs(tmp_path: Path) -> None:
     assert "level DEBUG" in debug.stdout
     bad = run_with_level(tmp_path, "LOUD")
     assert "UNIFIED_CACHE_LOG_LEVEL='LOUD'" in bad.stderr and "level INFO" in bad.stdout
+
+
+SPARES_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    from support.store_helpers import base_config
+    from ucm.store import UcmConnectorFactory
+    root = Path({root!r})
+    s = UcmConnectorFactory.create_connector(
+        "UcmPipelineStore", base_config(root, posix_spare_files=2)
+    )
+    deadline = time.monotonic() + 10
+    while len(list(root.glob(".work/*/spare.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s.close()
+    """
+)
+
+
+def test_start_up_line_reports_adopted_spares_and_no_markers(tmp_path: Path) -> None:
+    code = SPARES_SCRIPT.format(tests=str(Path(__file__).parents[1]), root=str(tmp_path))
+    env = {**os.environ, "UNIFIED_CACHE_LOG_LEVEL": "INFO"}
+
+    def start() -> str:
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return run.stderr
+
+    first = start()
+    assert "adopted" not in first, first
+    # The first store closed cleanly: its lock and closed marker are not
+    # leftovers, and its two spares are taken over.
+    second = start()
+    assert "0 file(s) of stopped stores" in second, second
+    assert "adopted 2 spare file(s)" in second, second

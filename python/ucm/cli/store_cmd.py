@@ -3,7 +3,9 @@
 The store is named by a directory (``--dir``, a Posix store) or by a config
 file (``--config``): a connector config (``ucm_connectors: ...``, as given
 to vLLM) or a flat store config (``store_pipeline: ...``). Its persistent
-stage (the one below any ``Cache``) is what these commands read. They work
+stage (the one below any ``Cache``) is what these commands read: a Posix
+directory, the objects under an S3 prefix, or an NFS export (through the
+built-in client or a kernel mount). They work
 beside running engines: a live engine's work files are never touched, and a
 block removed under it only costs it a miss.
 """

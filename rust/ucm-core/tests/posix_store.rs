@@ -572,30 +572,94 @@ fn a_burst_at_capacity_reuses_cold_files_instead_of_creating() {
 #[test]
 fn evicted_files_are_recycled_and_rewritten_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let (cfg, store) = recycling_store(dir.path(), true, 6);
+    // Room for 20 files, so the pool (a tenth of the capacity) has 2.
+    let (cfg, store) = recycling_store(dir.path(), true, 20);
     // Every block has its own bytes (`data`), so a recycled file still
     // holding its old block's data would fail the comparison below.
     for n in 0..40u32 {
         dump_blocks(&store, n..n + 1);
         // Let the evictor keep up, so recycled files are reused.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while store.counters().used_bytes > cfg.capacity_bytes
-            && std::time::Instant::now() < deadline
-        {
+        while disk_bytes(dir.path()) > cfg.capacity_bytes && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
     let st = store.counters();
-    assert!(st.evictions >= 30, "{st:?}");
+    assert!(st.evictions >= 20, "{st:?}");
     assert!(st.files_recycled >= 10, "{st:?}");
     // The spare directory never holds more than the pool's cap (4 x 2).
     let spares = work_files(dir.path()).0;
     assert!(spares <= 8, "{spares} spare files");
+    assert!(disk_bytes(dir.path()) <= cfg.capacity_bytes);
     let present = store.lookup(&(0..40).map(id).collect::<Vec<_>>()).unwrap();
     assert!(present[39] && !present[0], "{present:?}");
     for n in (0..40u32).filter(|n| present[*n as usize]) {
         assert_block_loads(&store, n);
     }
+}
+
+/// Bytes of every file under `root` (blocks and spares).
+fn disk_bytes(root: &std::path::Path) -> u64 {
+    let mut total = 0;
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                dirs.push(e.path());
+            } else {
+                total += m.len();
+            }
+        }
+    }
+    total
+}
+
+/// Spare files take disk space like blocks: a store with a capacity keeps
+/// blocks and spares together within it, the spares a stopped store left
+/// included.
+#[test]
+fn blocks_and_spare_files_together_stay_within_the_capacity() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
+    cfg.spare_files = 8;
+    let (cfg, file_len) = with_capacity(cfg, 20);
+    // A stopped store without a capacity left 16 spares of full length.
+    let spare_dir = dir.path().join(".work").join("stopped");
+    std::fs::create_dir_all(&spare_dir).unwrap();
+    std::fs::write(spare_dir.join("lock"), b"").unwrap();
+    std::fs::write(spare_dir.join("closed"), b"").unwrap();
+    for n in 0..16 {
+        let f = std::fs::File::create(spare_dir.join(format!("spare.{n}"))).unwrap();
+        f.set_len(file_len).unwrap();
+    }
+    let store = PosixStore::open(cfg.clone()).unwrap();
+    assert!(
+        disk_bytes(dir.path()) <= cfg.capacity_bytes,
+        "adopted spares beyond the capacity's share: {} byte(s)",
+        disk_bytes(dir.path())
+    );
+    let settle = || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while disk_bytes(dir.path()) > cfg.capacity_bytes && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    for n in 0..60 {
+        dump_blocks(&store, n..n + 1);
+        settle();
+        let on_disk = disk_bytes(dir.path());
+        assert!(
+            on_disk <= cfg.capacity_bytes,
+            "after block {n}: {on_disk} byte(s) on disk, capacity {}",
+            cfg.capacity_bytes
+        );
+    }
+    let st = store.counters();
+    assert!(st.files_recycled > 0, "evicted files became spares: {st:?}");
+    // Spares took no more than their share: most of the room holds blocks.
+    assert!(st.blocks >= 14, "{st:?}");
+    assert_block_loads(&store, 59);
 }
 
 /// Inode numbers of every file under `root` (blocks and spares).

@@ -5,10 +5,15 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+use ucm_core::config::Stage;
+use ucm_core::config::Values;
 use ucm_core::store::maintain::Maintenance;
+use ucm_core::store::nfs::maintain::maintenance as nfs_maintenance;
+use ucm_core::store::nfs::NfsConfig;
 use ucm_core::store::posix::PosixMaintenance;
+use ucm_core::store::s3::{S3Config, S3Maintenance};
 
-use crate::errors::{invalid, IntoPyResult};
+use crate::errors::{invalid, to_py, IntoPyResult};
 use crate::store::one_id;
 
 /// The maintenance of one stage's contents.
@@ -20,11 +25,12 @@ pub struct PyMaintenance {
 #[pymethods]
 impl PyMaintenance {
     /// Opens the maintenance of stage `stage` with its keys `values`; only
-    /// the keys that say where the blocks live are used (the geometry is
-    /// read from the blocks themselves).
+    /// the keys that say where the blocks live (and how to reach them) are
+    /// used: the geometry is read from the blocks themselves.
     #[staticmethod]
-    fn open(stage: &str, values: &Bound<'_, PyDict>) -> PyResult<Self> {
+    fn open(py: Python<'_>, stage: &str, values: &Bound<'_, PyDict>) -> PyResult<Self> {
         let s = crate::config::find_stage(stage)?;
+        let cfg_err = |e: ucm_core::config::ConfigError| to_py(e.into());
         let inner: Arc<dyn Maintenance> = match s.name {
             "Posix" => {
                 let raw = values
@@ -40,9 +46,20 @@ impl PyMaintenance {
                 };
                 Arc::new(PosixMaintenance::new(dirs).py_err()?)
             }
+            "NFS" => {
+                let v = location_values(py, s, values)?;
+                let cfg = NfsConfig::from_values(&v).map_err(cfg_err)?;
+                Arc::from(py.detach(|| nfs_maintenance(&cfg)).py_err()?)
+            }
+            "S3" => {
+                let v = location_values(py, s, values)?;
+                let cfg = S3Config::from_values(&v).map_err(cfg_err)?;
+                Arc::new(py.detach(|| S3Maintenance::open(cfg)).py_err()?)
+            }
             other => {
                 return Err(invalid(format!(
-                    "store maintenance of {other} stages is not available in this build"
+                    "store maintenance of {other} stages is not available (Posix, S3 and \
+                     NFS stages only)"
                 )))
             }
         };
@@ -94,6 +111,31 @@ impl PyMaintenance {
     fn location(&self) -> String {
         self.inner.location()
     }
+}
+
+/// The keys of stage `stage` in `values`, checked as the stage declares
+/// them, for a lookup-only view of the store: a config written for an
+/// engine names keys of other stages too, and may lack the geometry, which
+/// maintenance does not use (a one-page block stands in for it).
+fn location_values(py: Python<'_>, stage: &Stage, values: &Bound<'_, PyDict>) -> PyResult<Values> {
+    let mine = PyDict::new(py);
+    for (k, v) in values.iter() {
+        if stage.key(&k.extract::<String>()?).is_some() {
+            mine.set_item(k, v)?;
+        }
+    }
+    let given =
+        |key: &str| -> PyResult<bool> { Ok(mine.get_item(key)?.is_some_and(|v| !v.is_none())) };
+    if !given("block_size")? {
+        for key in ["shard_size", "tensor_size", "tensor_size_list"] {
+            if mine.contains(key)? {
+                mine.del_item(key)?;
+            }
+        }
+        mine.set_item("block_size", 4096)?;
+    }
+    mine.set_item("device_id", -1)?;
+    crate::config::parse(stage, &mine)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -17,9 +17,10 @@ use std::time::Duration;
 use nfs3_client::io::{AsyncRead, AsyncWrite};
 use nfs3_client::net::Connector;
 use nfs3_client::nfs3_types::nfs3::{
-    createhow3, diropargs3, fattr3, filename3, nfs_fh3, nfsstat3, post_op_attr, post_op_fh3,
-    sattr3, stable_how, writeverf3, COMMIT3args, CREATE3args, FSINFO3args, LOOKUP3args, MKDIR3args,
-    Nfs3Option, Nfs3Result, READ3args, REMOVE3args, RENAME3args, WRITE3args,
+    cookieverf3, createhow3, diropargs3, fattr3, filename3, nfs_fh3, nfsstat3, post_op_attr,
+    post_op_fh3, sattr3, stable_how, writeverf3, COMMIT3args, CREATE3args, FSINFO3args,
+    LOOKUP3args, MKDIR3args, Nfs3Option, Nfs3Result, READ3args, READDIRPLUS3args, REMOVE3args,
+    RENAME3args, WRITE3args,
 };
 use nfs3_client::nfs3_types::rpc::{auth_unix, opaque_auth};
 use nfs3_client::nfs3_types::xdr_codec::Opaque;
@@ -558,6 +559,35 @@ impl Client {
                 Ok(())
             }
             Nfs3Result::Err((s, _)) => Err(NfsError::Status(s, format!("RENAME {from} -> {to}"))),
+        }
+    }
+
+    /// Every entry of `dir` but `.` and `..`: its name and attributes (None
+    /// where the server sent none).
+    pub async fn list(&self, dir: &nfs_fh3) -> NfsResult<Vec<(String, Option<fattr3>)>> {
+        let mut out = Vec::new();
+        let (mut cookie, mut verf) = (0, cookieverf3::default());
+        loop {
+            let args = READDIRPLUS3args {
+                dir: dir.clone(),
+                cookie,
+                cookieverf: verf,
+                dircount: 64 * 1024,
+                maxcount: 256 * 1024,
+            };
+            let res = rpc!(self, "READDIRPLUS", c => c.readdirplus(&args));
+            let ok = status("READDIRPLUS", res)?;
+            verf = ok.cookieverf;
+            for e in ok.reply.entries.0 {
+                cookie = e.cookie;
+                let n = String::from_utf8_lossy(&e.name.0 .0).into_owned();
+                if n != "." && n != ".." {
+                    out.push((n, attrs(e.name_attributes)));
+                }
+            }
+            if ok.reply.eof {
+                return Ok(out);
+            }
         }
     }
 

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nfs3_client::nfs3_types::nfs3::{nfs_fh3, nfsstat3, writeverf3};
+use nfs3_client::nfs3_types::nfs3::{fattr3, nfs_fh3, nfsstat3, writeverf3};
 use parking_lot::Mutex;
 
 use super::client::{Client, NfsError};
@@ -147,6 +147,15 @@ impl RemoteFs {
             self.dirs.lock().insert(dir.to_string(), fh.clone());
         }
         Ok(found)
+    }
+
+    /// The entries of block directory `dir` (`"00"` to `"ff"`) with their
+    /// attributes; none if the directory does not exist.
+    pub async fn list_dir(&self, dir: &str) -> Result<Vec<(String, Option<fattr3>)>> {
+        let Some(fh) = self.dir(dir, false).await? else {
+            return Ok(Vec::new());
+        };
+        self.client.list(&fh).await.map_err(|e| self.err(e))
     }
 
     /// Creates the 256 block directories.

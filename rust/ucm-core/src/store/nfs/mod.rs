@@ -47,6 +47,7 @@
 pub mod client;
 pub mod config;
 pub mod fs;
+pub mod maintain;
 
 mod assembly;
 

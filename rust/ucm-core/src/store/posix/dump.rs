@@ -187,7 +187,7 @@ impl Shared {
             return None;
         }
         let len = self.layout.file_len().max(1);
-        let after = self.index.used_bytes() + (assembling as u64 + 1) * len;
+        let after = self.index.used_bytes() + self.spares.bytes() + (assembling as u64 + 1) * len;
         if after <= cap {
             return None;
         }
@@ -198,7 +198,9 @@ impl Shared {
         }
         // Down to the evictor's low watermark, in one batch.
         let band = (cap as f64 * evict::LOW_WATERMARK) as u64;
-        let want = (after.saturating_sub(band) / len).clamp(1, self.spares.target() as u64);
+        // No more than the pool may hold: beyond it, evicted files are deleted.
+        let room = self.recycled_spares().max(1);
+        let want = (after.saturating_sub(band) / len).clamp(1, room);
         evict::recycle_coldest(self, root, want as usize);
         self.spares.take(root)
     }

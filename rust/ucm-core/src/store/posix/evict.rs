@@ -16,7 +16,8 @@ pub(super) struct Signal {
 
 /// How often the thread looks at the store even when nobody woke it.
 const PERIOD: Duration = Duration::from_secs(5);
-/// Evict down to this share of the capacity, so eviction runs in batches.
+/// A dump that finds no spare at the capacity recycles cold blocks down to
+/// this share of it, so the pool refills in batches.
 pub(super) const LOW_WATERMARK: f64 = 0.9;
 
 pub(super) fn spawn(shared: Arc<Shared>) -> crate::Result<std::thread::JoinHandle<()>> {
@@ -63,27 +64,52 @@ fn run(shared: &Shared) {
     }
 }
 
-/// Evicts least-recently-used unpinned blocks until usage is back under the
-/// low watermark. Returns the number of blocks evicted.
+/// Keeps blocks and spare files together within the capacity: evicts the
+/// least recently used unpinned blocks while they take more, then, at the
+/// capacity, turns cold blocks into the spares the pool misses. Returns the
+/// number of blocks evicted.
 pub(super) fn evict_over_capacity(shared: &Shared) -> usize {
     let cap = shared.cfg.capacity_bytes;
-    let used = shared.index.used_bytes();
-    // Room for the spares the pool misses (at most a tenth of the capacity,
-    // so the target below stays under it).
-    let limit = cap.saturating_sub(shared.spare_reserve_bytes());
-    if cap == 0 || used <= limit {
+    if cap == 0 {
         return 0;
     }
-    let target = (limit as f64 * LOW_WATERMARK) as u64;
+    // Spares take disk space too: counted with the blocks.
+    let on_disk = || shared.index.used_bytes() + shared.spares.bytes();
     let mut evicted = 0;
-    for id in shared.index.coldest(used - target) {
-        evicted += usize::from(evict_one(shared, &id));
+    // A recycled file stays on disk as a spare, so a pass may free nothing;
+    // passes go on until the pool is full (its budget is a tenth of the
+    // capacity) and evicted files are deleted.
+    while on_disk() > cap {
+        let pass = evict_coldest(shared, on_disk() - cap);
+        if pass == 0 {
+            break; // the rest is pinned or was just dumped elsewhere
+        }
+        evicted += pass;
+    }
+    // The files of cold blocks become the spares the pool misses: neither a
+    // create nor a delete, and the bytes on disk stay the same. So a store
+    // at capacity dumps into recycled files.
+    let missing = shared.spare_reserve_bytes();
+    let short = (on_disk() + missing).saturating_sub(cap).min(missing);
+    if short > 0 {
+        evicted += evict_coldest(shared, short);
     }
     log::debug!(
-        "evicted {evicted} block(s); {} byte(s) in use",
-        shared.index.used_bytes()
+        "evicted {evicted} block(s); {} byte(s) in use, {} in spare files",
+        shared.index.used_bytes(),
+        shared.spares.bytes()
     );
     evicted
+}
+
+/// Evicts the least recently used unpinned blocks worth `bytes`.
+fn evict_coldest(shared: &Shared, bytes: u64) -> usize {
+    shared
+        .index
+        .coldest(bytes)
+        .iter()
+        .map(|id| usize::from(evict_one(shared, id)))
+        .sum()
 }
 
 /// Evicts up to `count` of the least recently used unpinned blocks stored
@@ -146,9 +172,11 @@ impl Shared {
     /// files: the pool's target, at most a tenth of the capacity (0: no
     /// capacity, or no pool).
     pub(super) fn recycled_spares(&self) -> u64 {
-        let cap = self.cfg.capacity_bytes;
-        let len = self.layout.file_len().max(1);
-        (self.spares.target() as u64).min(cap / 10 / len)
+        spare_budget(
+            self.cfg.capacity_bytes,
+            self.spares.target(),
+            self.layout.file_len(),
+        ) / self.layout.file_len().max(1)
     }
 
     /// True when the filler must not create spare files: the store has
@@ -164,17 +192,27 @@ impl Shared {
                 || self.index.used_bytes() + reserve > self.cfg.capacity_bytes)
     }
 
-    /// Bytes of capacity the evictor keeps free while the spare pool misses
-    /// files: [`Shared::recycled_spares`] files, the same margin at which
-    /// the filler stops creating ([`Shared::near_capacity`]), so one of the
-    /// two always refills the pool. A store at capacity then dumps into
+    /// Bytes of spare files the pool misses to its budget
+    /// ([`Shared::recycled_spares`] files) while it is short of files: the
+    /// filler creates them below the capacity ([`Shared::near_capacity`]),
+    /// the evictor recycles cold blocks into them at the capacity, so one of
+    /// the two always refills the pool. A store at capacity then dumps into
     /// recycled files: it neither creates nor deletes files.
     pub(super) fn spare_reserve_bytes(&self) -> u64 {
         if self.spares.deficit() == 0 {
             return 0;
         }
-        self.recycled_spares() * self.layout.file_len()
+        // The spares held are counted as they are; room for the rest.
+        (self.recycled_spares() * self.layout.file_len()).saturating_sub(self.spares.bytes())
     }
+}
+
+/// Bytes of spare files a store with capacity `cap` keeps at most: `target`
+/// files of `file_len` bytes, within a tenth of the capacity (0: no
+/// capacity, or no pool).
+pub(super) fn spare_budget(cap: u64, target: usize, file_len: u64) -> u64 {
+    let len = file_len.max(1);
+    (target as u64).min(cap / 10 / len) * len
 }
 
 /// A block whose shards stopped arriving (a layer-wise dump cut short)

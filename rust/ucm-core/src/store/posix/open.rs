@@ -28,6 +28,8 @@ struct Dirs {
     spares: SparePool,
     /// Files of stopped instances removed.
     reclaimed: usize,
+    /// Spare files of stopped instances adopted.
+    adopted: usize,
 }
 
 impl PosixStore {
@@ -43,13 +45,15 @@ impl PosixStore {
         let index = Arc::new(Index::default());
         let report = scan::scan(&dirs.paths, &index, file_len, cfg.transfers_enabled());
         log::info!(
-            "posix store over {:?}: {} block(s), {} byte(s) found; {} file(s) of stopped \
-             stores and {} non-block file(s) at block names removed",
+            "posix store over {:?}: {} block(s), {} byte(s) found; {}",
             cfg.storage_backends,
             report.blocks,
             report.bytes,
-            dirs.reclaimed + report.removed_temps,
-            report.removed_foreign
+            leftovers(
+                dirs.reclaimed + report.removed_temps,
+                report.removed_foreign,
+                dirs.adopted
+            )
         );
         let engine = build_engine(&engine_config(&cfg))?;
         let (commits, commit_rx) = crossbeam_channel::unbounded::<Option<CommitJob>>();
@@ -83,13 +87,20 @@ impl Dirs {
         let work_dirs: Vec<PathBuf> = (0..paths.roots().len())
             .map(|i| paths.work_dir(i))
             .collect();
-        let spares = SparePool::new(&work_dirs, spare_target, file_len);
-        let mut reclaimed = 0;
+        let mut spares = SparePool::new(&work_dirs, spare_target, file_len);
+        if cfg.capacity_bytes > 0 {
+            // Spares count against the capacity (see `evict`).
+            let budget = evict::spare_budget(cfg.capacity_bytes, spare_target, file_len);
+            spares = spares.with_max_bytes(budget);
+        }
+        let (mut reclaimed, mut adopted) = (0, 0);
         if writes {
             for (i, root) in paths.roots().iter().enumerate() {
                 let r = work::reclaim(root, &work_dirs[i], spares.capacity(), file_len);
-                reclaimed += r.removed;
-                spares.adopt(i, r.spares);
+                let offered = r.spares.len();
+                let kept = spares.adopt(i, r.spares);
+                reclaimed += r.removed + (offered - kept);
+                adopted += kept;
             }
         }
         Ok(Dirs {
@@ -97,8 +108,21 @@ impl Dirs {
             work,
             spares,
             reclaimed,
+            adopted,
         })
     }
+}
+
+/// The start-up line's account of what stopped instances left: files
+/// removed and, when there were any, spare files adopted.
+fn leftovers(removed: usize, foreign: usize, adopted: usize) -> String {
+    let mut s = format!(
+        "{removed} file(s) of stopped stores and {foreign} non-block file(s) at block names removed"
+    );
+    if adopted > 0 {
+        s.push_str(&format!("; adopted {adopted} spare file(s)"));
+    }
+    s
 }
 
 /// The O_DIRECT alignment that suits every directory of the store.
@@ -228,4 +252,18 @@ fn start_committers(
         );
     }
     Ok(committers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_start_up_line_names_adopted_spares_only_when_there_are_some() {
+        assert_eq!(
+            leftovers(2, 1, 0),
+            "2 file(s) of stopped stores and 1 non-block file(s) at block names removed"
+        );
+        assert!(leftovers(0, 0, 3).ends_with("removed; adopted 3 spare file(s)"));
+    }
 }

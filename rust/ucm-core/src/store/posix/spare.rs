@@ -36,6 +36,12 @@
 //! They outlive a clean close: the next instance adopts them (a restart
 //! keeps its pool instead of deleting and recreating it). Each is checked
 //! (see [`super::files::Opener::reuse`]) when it is taken for a block.
+//!
+//! Spares take disk space like blocks, so the pool counts the bytes of its
+//! files ([`SparePool::bytes`]) and, in a store with a capacity, holds at
+//! most a byte budget of them (a share of the capacity): the evictor counts
+//! them with the blocks, so blocks and spares together stay within the
+//! capacity.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -54,7 +60,8 @@ pub const PREALLOC_POOL_MAX: u64 = 256 << 20;
 
 struct Root {
     dir: PathBuf,
-    files: Mutex<VecDeque<PathBuf>>,
+    /// Each spare with its length when it joined the pool.
+    files: Mutex<VecDeque<(PathBuf, u64)>>,
 }
 
 /// Spare temporary files per storage root.
@@ -62,6 +69,10 @@ pub struct SparePool {
     roots: Vec<Root>,
     target: usize,
     prealloc_len: u64,
+    /// Most bytes the spares may take together (`u64::MAX`: no limit).
+    max_bytes: u64,
+    /// Bytes the spares take now.
+    bytes: AtomicU64,
     seq: AtomicU64,
     stop: AtomicBool,
     wake: (Mutex<bool>, Condvar),
@@ -83,10 +94,41 @@ impl SparePool {
                 .collect(),
             target,
             prealloc_len,
+            max_bytes: u64::MAX,
+            bytes: AtomicU64::new(0),
             seq: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(false), Condvar::new()),
         }
+    }
+
+    /// The same pool holding at most `max_bytes` bytes of spares: beyond
+    /// them, new spares stay empty and evicted files are not kept.
+    pub fn with_max_bytes(mut self, max_bytes: u64) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// Bytes the spare files take (their lengths), all roots together.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `len` bytes of the budget; false when they do not fit.
+    fn charge(&self, len: u64) -> bool {
+        self.bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                b.checked_add(len).filter(|n| *n <= self.max_bytes)
+            })
+            .is_ok()
+    }
+
+    fn release(&self, len: u64) {
+        let _ = self
+            .bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                Some(b.saturating_sub(len))
+            });
     }
 
     /// True when the pool keeps spares at all.
@@ -95,14 +137,23 @@ impl SparePool {
     }
 
     /// Adds spare files adopted from a dead instance (see
-    /// [`super::work::reclaim`]) to root `root`'s pool.
-    pub fn adopt(&self, root: usize, files: Vec<PathBuf>) {
-        match self.roots.get(root) {
-            Some(r) => r.files.lock().extend(files),
-            None => files.iter().for_each(|f| {
-                let _ = std::fs::remove_file(f);
-            }),
+    /// [`super::work::reclaim`]) to root `root`'s pool; those beyond the
+    /// byte budget are removed. Returns how many were kept.
+    pub fn adopt(&self, root: usize, files: Vec<PathBuf>) -> usize {
+        let mut kept = 0;
+        for f in files {
+            let len = file_len(&f);
+            match self.roots.get(root) {
+                Some(r) if self.charge(len) => {
+                    r.files.lock().push_back((f, len));
+                    kept += 1;
+                }
+                _ => {
+                    let _ = std::fs::remove_file(f);
+                }
+            }
         }
+        kept
     }
 
     /// The most spares a root may hold, adopted or recycled ones included.
@@ -113,13 +164,12 @@ impl SparePool {
     /// Takes a spare file under root `root` (its index), if one is ready.
     pub fn take(&self, root: usize) -> Option<PathBuf> {
         let r = self.roots.get(root)?;
-        let path = r.files.lock().pop_front();
-        if path.is_some() {
-            let (lock, cv) = &self.wake;
-            *lock.lock() = true;
-            cv.notify_one();
-        }
-        path
+        let (path, len) = r.files.lock().pop_front()?;
+        self.release(len);
+        let (lock, cv) = &self.wake;
+        *lock.lock() = true;
+        cv.notify_one();
+        Some(path)
     }
 
     /// Most spares a root may hold through recycling: the filler's target,
@@ -148,21 +198,27 @@ impl SparePool {
         }
         // Only a regular file becomes a spare; whatever else was put at a
         // block's name is deleted by the caller.
-        if !std::fs::symlink_metadata(file).is_ok_and(|m| m.file_type().is_file()) {
+        let len = match std::fs::symlink_metadata(file) {
+            Ok(m) if m.file_type().is_file() => m.len(),
+            _ => return false,
+        };
+        if !self.charge(len) {
             return false;
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let spare = r.dir.join(format!("{SPARE_PREFIX}r{seq}"));
         if std::fs::rename(file, &spare).is_err() {
+            self.release(len);
             return false;
         }
         let mut files = r.files.lock();
         if files.len() >= self.recycle_cap() {
             drop(files);
+            self.release(len);
             let _ = std::fs::remove_file(&spare);
         } else {
             // Recycled files are whole block files: hand them out first.
-            files.push_front(spare);
+            files.push_front((spare, len));
         }
         true
     }
@@ -170,9 +226,10 @@ impl SparePool {
     /// Returns a spare taken with [`SparePool::take`] but not used (the
     /// block it was for turned out to be written by someone else).
     pub fn put_back(&self, root: usize, file: PathBuf) {
+        let len = file_len(&file);
         match self.roots.get(root) {
-            Some(r) => r.files.lock().push_front(file),
-            None => {
+            Some(r) if self.charge(len) => r.files.lock().push_front((file, len)),
+            _ => {
                 let _ = std::fs::remove_file(file);
             }
         }
@@ -209,8 +266,8 @@ impl SparePool {
             for r in &self.roots {
                 let ready = r.files.lock().len();
                 if ready < self.target && may_create() {
-                    if let Some(p) = self.create(&r.dir, ready) {
-                        r.files.lock().push_back(p);
+                    if let Some(spare) = self.create(&r.dir, ready) {
+                        r.files.lock().push_back(spare);
                         made = true;
                     }
                 }
@@ -227,8 +284,9 @@ impl SparePool {
         }
     }
 
-    /// Creates one spare; `ready` spares are already waiting in `dir`.
-    fn create(&self, dir: &Path, ready: usize) -> Option<PathBuf> {
+    /// Creates one spare (its path and length); `ready` spares are already
+    /// waiting in `dir`.
+    fn create(&self, dir: &Path, ready: usize) -> Option<(PathBuf, u64)> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("{SPARE_PREFIX}{seq}"));
         let file = super::files::Opener::new(false, false)
@@ -236,10 +294,17 @@ impl SparePool {
             .ok()?
             .file;
         let within_budget = (ready as u64).saturating_mul(self.prealloc_len) < PREALLOC_POOL_MAX;
-        if self.prealloc_len > 0 && within_budget && self.room_for_prealloc(dir) {
-            preallocate(&file, self.prealloc_len);
+        if self.prealloc_len > 0
+            && within_budget
+            && self.room_for_prealloc(dir)
+            && self.charge(self.prealloc_len)
+        {
+            if preallocate(&file, self.prealloc_len) {
+                return Some((path, self.prealloc_len));
+            }
+            self.release(self.prealloc_len);
         }
-        Some(path)
+        Some((path, 0))
     }
 
     fn room_for_prealloc(&self, dir: &Path) -> bool {
@@ -263,7 +328,8 @@ impl SparePool {
     #[cfg(test)]
     pub fn discard(&self) {
         for r in &self.roots {
-            for p in r.files.lock().drain(..) {
+            for (p, len) in r.files.lock().drain(..) {
+                self.release(len);
                 let _ = std::fs::remove_file(p);
             }
         }
@@ -287,17 +353,24 @@ fn free_and_total(dir: &Path) -> Option<(u64, u64)> {
     ))
 }
 
-/// Best effort: a file system without `fallocate` keeps the spare empty.
-fn preallocate(file: &std::fs::File, len: u64) {
+/// Best effort: a file system without `fallocate` keeps the spare empty
+/// (false).
+fn preallocate(file: &std::fs::File, len: u64) -> bool {
     use std::os::fd::AsRawFd;
     let Ok(len) = libc::off_t::try_from(len) else {
-        return;
+        return false;
     };
     // SAFETY: plain syscall on a descriptor owned by `file`.
     let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
     if r != 0 {
         let _ = file.set_len(0);
     }
+    r == 0
+}
+
+/// A spare's length (0 if it can't be read: it is checked when taken).
+fn file_len(path: &Path) -> u64 {
+    std::fs::symlink_metadata(path).map_or(0, |m| m.len())
 }
 
 #[cfg(test)]
@@ -365,12 +438,13 @@ mod tests {
         let pool = SparePool::new(&[d.path().to_path_buf()], 4, len);
         let dir = d.path().to_path_buf();
         let room = pool.room_for_prealloc(&dir);
-        let first = pool.create(&dir, 0).unwrap();
+        let (first, first_len) = pool.create(&dir, 0).unwrap();
         let expect = if room { len } else { 0 };
         assert_eq!(std::fs::metadata(&first).unwrap().len(), expect);
+        assert_eq!((first_len, pool.bytes()), (expect, expect));
         // Past the byte budget, spares stay empty whatever the room.
         let over = (PREALLOC_POOL_MAX / len) as usize;
-        let late = pool.create(&dir, over).unwrap();
+        let (late, _) = pool.create(&dir, over).unwrap();
         assert_eq!(std::fs::metadata(&late).unwrap().len(), 0);
     }
 }

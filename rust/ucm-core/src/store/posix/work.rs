@@ -100,7 +100,9 @@ impl WorkDirs {
 pub struct Reclaimed {
     /// Spare files of dead instances, now inside the caller's directory.
     pub spares: Vec<PathBuf>,
-    /// Other files of dead instances removed (temporaries, locks).
+    /// Files of dead instances removed: temporaries and spares beyond the
+    /// pool's room, not the lock files and `closed` markers every stopped
+    /// instance leaves (those say nothing about what it left undone).
     pub removed: usize,
 }
 
@@ -155,18 +157,24 @@ pub fn reclaim(root: &Path, ours: &Path, max_spares: usize, spare_len: u64) -> R
                 }
             }
             remove_entry(&path);
-            out.removed += 1;
+            out.removed += usize::from(!is_marker(&fname));
         }
         let _ = std::fs::remove_dir(&dir);
     }
     out
 }
 
+/// The lock file and the `closed` marker: bookkeeping of a work
+/// directory, not files its instance left behind.
+fn is_marker(name: &str) -> bool {
+    name == LOCK_FILE || name == CLOSED_FILE
+}
+
 fn remove_dir_files(dir: &Path) -> usize {
     let mut n = 0;
     for f in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         remove_entry(&f.path());
-        n += 1;
+        n += usize::from(!is_marker(&f.file_name().to_string_lossy()));
     }
     let _ = std::fs::remove_dir(dir);
     n
@@ -213,7 +221,10 @@ mod tests {
         let r = reclaim(d.path(), &b.work_dir(0), 8, 100);
         assert_eq!(r.spares.len(), 1);
         assert!(r.spares[0].starts_with(b.work_dir(0)));
-        assert_eq!(r.removed, 3, "temporary, lock and closed marker");
+        assert_eq!(
+            r.removed, 1,
+            "the temporary; not the lock or the closed marker"
+        );
         assert!(!a.work_dir(0).exists());
         drop(wb);
         // Killed (no closed marker, lock released by the kernel).

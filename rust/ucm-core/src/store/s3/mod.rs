@@ -57,9 +57,11 @@
 //! key. Credentials never appear in logs or errors.
 
 pub mod config;
+pub mod maintain;
 mod staging;
 
 pub use config::{S3Config, S3Location, KEYS};
+pub use maintain::S3Maintenance;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

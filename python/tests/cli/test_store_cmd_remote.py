@@ -1,0 +1,172 @@
+"""``ucm store`` on the remote stages: S3 against a real S3-compatible
+server (``moto_server``), NFS through a kernel-mounted export (a directory
+in the Posix layout; here a temporary directory the NFS stage writes as it
+writes a mount) and through the built-in client against NFS-Ganesha."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from support.remote_helpers import SHARD, SHARDS, bid, dump
+from support.servers import MotoServer, NfsServer
+
+from ucm.cli import main
+from ucm.store import UcmConnectorFactory
+
+GEOMETRY = {
+    "block_size": SHARD * SHARDS,
+    "shard_size": SHARD,
+    "tensor_size_list": [SHARD // 2, SHARD // 2],
+    "timeout_ms": 10000,
+}
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    try:
+        server = MotoServer()
+    except FileNotFoundError as e:
+        pytest.skip(f"{e} is not installed")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def nfs() -> Iterator[NfsServer]:
+    try:
+        server = NfsServer()
+    except (FileNotFoundError, PermissionError) as e:
+        pytest.skip(f"no NFS server: {e}")
+    yield server
+    server.close()
+
+
+def fill(cfg: dict[str, Any], blocks: list[int]) -> None:
+    store = UcmConnectorFactory.create_connector("UcmPipelineStore", {**cfg, **GEOMETRY})
+    dump(store, blocks)
+    store.close()
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> str:
+    """A store config file as a user writes one: no geometry (the blocks
+    declare it)."""
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def run(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(main, ["store", *args])
+    return res.exit_code, res.output
+
+
+def test_s3_info_ls_verify_gc_clear(moto: MotoServer, tmp_path: Path) -> None:
+    bucket = moto.create_bucket()
+    cfg = {
+        "store_pipeline": "Cache|S3",
+        "storage_backends": f"s3://{bucket}/kv",
+        "s3_endpoint": moto.endpoint,
+        "s3_access_key": moto.access_key,
+        "s3_secret_key": moto.secret_key,
+    }
+    fill({**cfg, "store_pipeline": "S3"}, [1, 2, 3])
+    client = moto.client()
+    # An object that is not at a block key is not a block.
+    client.put_object(Bucket=bucket, Key="kv/notes.txt", Body=b"hello")
+    conf = write_config(tmp_path / "s3.yaml", cfg)
+    code, out = run("info", "--config", conf)
+    assert code == 0, out
+    assert f"store      S3 at s3://{bucket}/kv" in out
+    assert "blocks     3" in out and "< 1 hour   3" in out
+    code, out = run("ls", "--config", conf)
+    assert code == 0 and {bid(n).hex() for n in (1, 2, 3)} <= set(out.split()), out
+    code, out = run("verify", "--config", conf)
+    assert code == 0 and "3 of 3 block(s) verified, 0 corrupt" in out, out
+    # One bit flipped in the data of block 2's second shard.
+    h = bid(2).hex()
+    key = f"kv/{h[:2]}/{h}"
+    raw = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    stride = len(raw) // SHARDS
+    raw[stride + 4096 + 10] ^= 1
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+    code, out = run("verify", "--config", conf)
+    assert code == 1 and f"corrupt {h}" in out and "shard 1: data checksum mismatch" in out, out
+    code, out = run("gc", "--config", conf)
+    assert code == 0 and "1 corrupt block(s)" in out, out
+    assert "blocks     2" in run("info", "--config", conf)[1]
+    code, out = run("clear", "--config", conf, "--yes")
+    assert code == 0 and "removed 2 block(s)" in out, out
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert keys == ["kv/notes.txt"]
+
+
+def test_s3_errors_name_the_key(moto: MotoServer, tmp_path: Path) -> None:
+    conf = write_config(
+        tmp_path / "s3.yaml",
+        {
+            "store_pipeline": "S3",
+            "storage_backends": "s3://no-such-bucket-here/kv",
+            "s3_endpoint": moto.endpoint,
+            "s3_access_key": moto.access_key,
+            "s3_secret_key": moto.secret_key,
+        },
+    )
+    code, out = run("info", "--config", conf)
+    assert code != 0 and "storage_backends" in out and "no-such-bucket-here" in out, out
+
+
+def test_nfs_through_a_mount_is_a_directory(tmp_path: Path) -> None:
+    root = tmp_path / "export"
+    root.mkdir()
+    cfg = {"store_pipeline": "NFS", "storage_backends": str(root)}
+    fill(cfg, [4, 5])
+    conf = write_config(tmp_path / "nfs.yaml", {**cfg, "store_pipeline": "Cache|NFS"})
+    code, out = run("info", "--config", conf)
+    assert code == 0 and f"store      NFS at {root}" in out and "blocks     2" in out, out
+    code, out = run("ls", "--config", conf)
+    assert code == 0 and {bid(4).hex(), bid(5).hex()} <= set(out.split()), out
+    code, out = run("verify", "--config", conf)
+    assert code == 0 and "2 of 2 block(s) verified, 0 corrupt" in out, out
+
+
+def test_nfs_through_the_built_in_client(nfs: NfsServer, tmp_path: Path) -> None:
+    cfg = {"store_pipeline": "NFS", "storage_backends": nfs.url("cli")}
+    with nfs.in_netns():
+        fill(cfg, [6, 7, 8])
+    root = nfs.export / "cli"
+    conf = write_config(tmp_path / "nfs.yaml", cfg)
+    h = bid(7).hex()
+    # A temporary of a writer gone for two hours, and one being written.
+    old = root / h[:2] / f"{h}.tmp.0badc0de.1"
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    fresh = root / h[:2] / f"{h}.tmp.0badc0de.2"
+    fresh.write_bytes(b"x")
+    with nfs.in_netns():
+        code, out = run("info", "--config", conf)
+        assert code == 0 and f"store      NFS at {nfs.url('cli')}" in out, out
+        assert "blocks     3" in out, out
+        code, out = run("ls", "--config", conf)
+        assert code == 0 and {bid(n).hex() for n in (6, 7, 8)} <= set(out.split()), out
+        code, out = run("verify", "--config", conf)
+        assert code == 0 and "3 of 3 block(s) verified, 0 corrupt" in out, out
+    path = root / h[:2] / h
+    raw = bytearray(path.read_bytes())
+    raw[(4096 + SHARD) + 4096 + 10] ^= 1
+    path.write_bytes(bytes(raw))
+    with nfs.in_netns():
+        code, out = run("verify", "--config", conf)
+        assert code == 1 and f"corrupt {h}" in out, out
+        code, out = run("gc", "--config", conf)
+        assert code == 0 and "removed 1 temporary file(s)" in out, out
+        assert "1 corrupt block(s)" in out, out
+        assert not path.exists() and not old.exists() and fresh.exists()
+        code, out = run("clear", "--config", conf, "--yes")
+        assert code == 0 and "removed 2 block(s)" in out, out
+        assert "blocks     0" in run("info", "--config", conf)[1]
