@@ -234,7 +234,7 @@ mod tests {
         for kind in PolicyKind::ALL {
             with(kind, 8, |p| {
                 for s in 0..8 {
-                    p.insert(s, u64::from(s) * 0x9e37_79b9_7f4a_7c15);
+                    p.insert(s, u64::from(s).wrapping_mul(0x9e37_79b9_7f4a_7c15));
                 }
                 p.access(3);
                 // Only odd slots may go.
