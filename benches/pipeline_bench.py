@@ -6,7 +6,7 @@ Cache tier's slot memory has never been touched there, so its first-touch
 page faults are part of what is measured (their count is printed). The
 block files are in the page cache for the loads ("from memory"), and the
 caller's memory is touched beforehand, like a KV cache vLLM allocated at
-start-up, and the store is opened 2 s before the timed call, as an engine
+start-up, and the store is opened ``--settle`` seconds (2) before the timed call, as an engine
 opens it before loading its model. Printed, as GB/s medians and ratios:
 
 * cold load (nothing in the Cache tier yet): ``Cache|Posix`` vs ``Posix``;
@@ -36,8 +36,6 @@ import numpy as np
 import torch
 
 from ucm.store import UcmConnectorFactory
-
-SETTLE_S = 2.0
 
 
 def make_store(root: Path, pipeline: str, shard: int, total: int) -> Any:
@@ -73,7 +71,7 @@ def timed(fn: Any) -> tuple[float, int]:
     return time.perf_counter() - t0, minflt() - f0
 
 
-def child(case: str, root: Path, total: int, shard: int) -> dict[str, float]:
+def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[str, float]:
     """One measurement in this (fresh) process; prints nothing itself."""
     n = total // shard
     ids = ids_for(n)
@@ -89,7 +87,7 @@ def child(case: str, root: Path, total: int, shard: int) -> dict[str, float]:
     store = make_store(root, pipeline, shard, total)
     # An engine opens its store seconds before the first request (model
     # load, KV cache allocation, warm-up); give both pipelines that time.
-    time.sleep(SETTLE_S)
+    time.sleep(settle)
     if op == "seed":
         store.wait(store.dump(ids, [0] * n, rows(src, shard)))
         store.flush()
@@ -128,6 +126,8 @@ def run_child(case: str, root: Path, args: argparse.Namespace) -> dict[str, floa
         str(args.mib),
         "--shard-kib",
         str(args.shard_kib),
+        "--settle",
+        str(args.settle),
     ]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -143,11 +143,12 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="MiB moved per measurement")
     ap.add_argument("--shard-kib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds between open and timing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     total, shard = args.mib << 20, args.shard_kib << 10
     if args.child:
-        print(json.dumps(child(args.child, args.dir, total, shard)))
+        print(json.dumps(child(args.child, args.dir, total, shard, args.settle)))
         return
     args.dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, list[dict[str, float]]] = {}

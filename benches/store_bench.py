@@ -9,17 +9,23 @@ Prints, in one run:
 * hashing speed of a 32k-token prompt in 128-token blocks against the
   pure-Python md5+pickle reference.
 
+With ``--pipeline``, instead: the default ``Cache|Posix`` pipeline against
+``Posix`` alone and memcpy (``benches/pipeline_bench.py``, whose options
+follow).
+
 With ``--durability``, instead: dump GB/s (until ``wait()`` returns) with
 ``durability: data`` and ``full`` against ``none``, same blocks, same run.
 
     python benches/store_bench.py [--dir DIR] [--mib 128] [--engines psync,uring]
     python benches/store_bench.py --durability [--dir DIR] [--mib 128]
+    python benches/store_bench.py --pipeline [pipeline_bench options]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +38,7 @@ from ucm.store import UcmConnectorFactory
 from ucm.testing import store_debug
 
 QD = 4
+PIPELINE_BENCH = Path(__file__).with_name("pipeline_bench.py")
 
 
 def make_store(root: Path, shard: int, tensors: int, engine: str, direct: bool, **extra: object):
@@ -171,6 +178,14 @@ def lookups(root: Path) -> None:
 
 
 def main() -> None:
+    if "--pipeline" in sys.argv[1:]:
+        # One entry point for the storage figures; the pipeline comparison
+        # lives in its own script because it measures in fresh processes.
+        import runpy
+
+        sys.argv = [str(PIPELINE_BENCH)] + [a for a in sys.argv[1:] if a != "--pipeline"]
+        runpy.run_path(str(PIPELINE_BENCH), run_name="__main__")
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("target"), help="parent of the scratch dir")
     ap.add_argument("--mib", type=int, default=128, help="MiB moved per measurement")
