@@ -2,6 +2,9 @@
 //! backend, fill-once, eviction under pressure, write-back policies, a
 //! failing backend, prefetch, statistics, restart, and shared-memory mode
 //! (including a participant killed while holding the lock).
+//!
+//! Longer than most files: one suite with its shared helpers (the
+//! in-memory backend, block builders), so every case uses the same ones.
 
 // Test helpers outside #[test] fns: a panic here is a test failure.
 #![allow(clippy::unwrap_used)]

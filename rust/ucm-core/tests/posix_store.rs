@@ -1,5 +1,8 @@
 //! Posix store behaviour on a real file system (a temporary directory on
 //! the build machine's disk), for both I/O engines and O_DIRECT on and off.
+//!
+//! Longer than most files: one suite with its shared helpers, so every
+//! case runs against the same store builders.
 
 // Test helpers outside #[test] fns: a panic here is a test failure.
 #![allow(clippy::unwrap_used)]

@@ -12,6 +12,9 @@
 //! uses. This was chosen over "dropping an unfinished task waits for it":
 //! a wait inside a finalizer would block whatever thread the garbage
 //! collector happens to run on for up to `timeout_ms`.
+//!
+//! One long file because PyO3 (without its `multiple-pymethods` feature)
+//! takes a class's Python methods in one `#[pymethods]` block.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

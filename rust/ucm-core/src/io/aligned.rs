@@ -27,6 +27,8 @@
 //!
 //! Pooled buffers are **not zeroed on reuse**: a buffer's contents are
 //! whatever the previous holder left in it (the arena starts zeroed).
+//!
+//! (The file is long because its unit tests sit beside the pool.)
 
 use std::alloc::{self, Layout};
 use std::collections::BTreeSet;

@@ -54,6 +54,8 @@
 //! sentinel `user_data` to wake an idle completion thread, and joins the
 //! threads, which exit once their ring has no request in flight or pending:
 //! every request submitted before the drop completes and its callback runs.
+//!
+//! (The file is long because its unit tests sit beside the engine.)
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;

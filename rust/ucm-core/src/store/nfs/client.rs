@@ -9,6 +9,8 @@
 //! lacks for this use (MOUNT, portmapper, LOOKUP/CREATE/READ/WRITE/COMMIT/
 //! RENAME/REMOVE/MKDIR/FSINFO over TCP, AUTH_SYS). Tested against
 //! NFS-Ganesha 4.3 (VFS FSAL).
+//!
+//! (One file: the connection pool and the procedures share its retry loop.)
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
