@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     model = make_tiny_llama(args.model_dir, BENCH_SPEC)
     print(f"model: {model} ({time.time() - t0:.0f}s)", flush=True)
+    if args.dir:
+        args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ucm-ttft-", dir=args.dir or _bench_dir()))
     store = work / "store"
     store.mkdir()
@@ -353,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                     else "| | | | | |"
                 )
                 first = False
+                cell = pipe.replace("|", "\\|")  # a table cell
                 print(
-                    f"{head} | {pipe} | {mode} | {mem:.3f}s | {mem / mem_hit:.2f} "
+                    f"{head} | {cell} | {mode} | {mem:.3f}s | {mem / mem_hit:.2f} "
                     f"| {mem / floor:.2f} {disk_cells}"
                 )
     print()
