@@ -10,7 +10,7 @@ use super::table::{Guard, READY};
 use super::{
     staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, COPY_JOB_BYTES, LOCK_CHUNK,
 };
-use crate::block::{BlockId, MemSeg, ShardIo};
+use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::task::TaskId;
 
@@ -243,18 +243,7 @@ impl Inner {
                 };
                 bufs.push(b);
             }
-            let shards = items
-                .iter()
-                .zip(bufs.iter_mut())
-                .map(|(s, b)| ShardIo {
-                    block: s.block,
-                    index: s.index,
-                    segs: vec![MemSeg {
-                        addr: b.as_mut_ptr() as usize,
-                        len: self.cfg.shard_size,
-                    }],
-                })
-                .collect();
+            let shards = self.staged_shards(&items, &mut bufs);
             let r = self
                 .backend
                 .dump(shards, 0)
@@ -272,14 +261,11 @@ impl Inner {
 
     /// Writes dirty slots (block, shard, slot) to the backend and waits.
     pub(super) fn write_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
-        let shards = items
-            .iter()
-            .map(|&(block, shard, slot)| ShardIo {
-                block,
-                index: shard as usize,
-                segs: vec![self.slot_seg(slot)],
-            })
-            .collect();
+        let shards = self.slot_shards(
+            items
+                .iter()
+                .map(|&(b, shard, slot)| (b, shard as usize, slot)),
+        );
         let r = self
             .backend
             .dump(shards, 0)

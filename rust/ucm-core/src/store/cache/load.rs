@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::stats::add;
 use super::table::{FILLING, FREE, READY};
 use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, COPY_JOB_BYTES, LOCK_CHUNK};
-use crate::block::{BlockId, MemSeg, ShardIo};
+use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
 use crate::task::TaskId;
@@ -113,14 +113,7 @@ impl Inner {
             });
         }
         if !fills.is_empty() {
-            let shards: Vec<ShardIo> = fills
-                .iter()
-                .map(|(s, slot)| ShardIo {
-                    block: s.block,
-                    index: s.index,
-                    segs: vec![self.slot_seg(*slot)],
-                })
-                .collect();
+            let shards = self.slot_shards(fills.iter().map(|(s, slot)| (s.block, s.index, *slot)));
             let unwritten = self.wb.dirty_among(fills.iter().map(|(s, _)| &s.block));
             let (me, ctx2) = (self.clone(), ctx.clone());
             let n = fills.len();
@@ -308,14 +301,7 @@ impl Inner {
         }
         let filled = match res {
             Ok(()) => {
-                let shards = slots
-                    .iter()
-                    .map(|&(block, index, slot)| ShardIo {
-                        block,
-                        index,
-                        segs: vec![self.slot_seg(slot)],
-                    })
-                    .collect();
+                let shards = self.slot_shards(slots.iter().copied());
                 self.backend.load(shards).and_then(|t| self.backend.wait(t))
             }
             Err(e) => Err(e),
@@ -323,16 +309,7 @@ impl Inner {
         if filled.is_ok() {
             add(&self.c.fills_after_load, n);
         }
-        if let Ok(mut g) = self.table.lock() {
-            for &(_, _, slot) in &slots {
-                if filled.is_ok() {
-                    g.fill_done(slot, false);
-                } else {
-                    g.drop_entry(slot);
-                }
-                g.unpin(slot);
-            }
-        }
+        self.end_fills(slots.iter().map(|&(_, _, slot)| slot), filled.is_ok());
     }
 
     /// Loads shards through staging buffers, straight from the backend.
@@ -352,18 +329,7 @@ impl Inner {
                 return;
             }
         };
-        let shards = items
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(s, b)| ShardIo {
-                block: s.block,
-                index: s.index,
-                segs: vec![MemSeg {
-                    addr: b.as_mut_ptr() as usize,
-                    len: self.cfg.shard_size,
-                }],
-            })
-            .collect();
+        let shards = self.staged_shards(&items, &mut bufs);
         let res = self.backend.load(shards).and_then(|t| self.backend.wait(t));
         match res {
             Ok(()) => {

@@ -344,6 +344,49 @@ impl Inner {
         }
     }
 
+    /// Backend transfers into or out of slots: (block, shard index, slot).
+    fn slot_shards(&self, items: impl IntoIterator<Item = (BlockId, usize, u32)>) -> Vec<ShardIo> {
+        items
+            .into_iter()
+            .map(|(block, index, slot)| ShardIo {
+                block,
+                index,
+                segs: vec![self.slot_seg(slot)],
+            })
+            .collect()
+    }
+
+    /// Backend transfers of `items`' shards through `bufs`, one each.
+    fn staged_shards(&self, items: &[ShardIo], bufs: &mut [AlignedBuf]) -> Vec<ShardIo> {
+        items
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(s, b)| ShardIo {
+                block: s.block,
+                index: s.index,
+                segs: vec![MemSeg {
+                    addr: b.as_mut_ptr() as usize,
+                    len: self.cfg.shard_size,
+                }],
+            })
+            .collect()
+    }
+
+    /// Ends background fills of `slots`: ready when `filled`, otherwise
+    /// out of the index; unpinned either way.
+    fn end_fills(&self, slots: impl IntoIterator<Item = u32>, filled: bool) {
+        if let Ok(mut g) = self.table.lock() {
+            for slot in slots {
+                if filled {
+                    g.fill_done(slot, false);
+                } else {
+                    g.drop_entry(slot);
+                }
+                g.unpin(slot);
+            }
+        }
+    }
+
     /// Reaps dead participants and adopts dirty slots nobody owns (shared
     /// mode; in private mode there is nobody else).
     fn housekeep(&self) {

@@ -3,7 +3,7 @@
 
 use super::stats::add;
 use super::Inner;
-use crate::block::{BlockId, ShardIo};
+use crate::block::BlockId;
 
 impl Inner {
     pub(super) fn prefetch(&self, ids: Vec<BlockId>) {
@@ -49,25 +49,13 @@ impl Inner {
         if fills.is_empty() {
             return;
         }
-        let shards = fills
-            .iter()
-            .map(|&(block, shard, slot)| ShardIo {
-                block,
-                index: shard as usize,
-                segs: vec![self.slot_seg(slot)],
-            })
-            .collect();
+        let shards = self.slot_shards(
+            fills
+                .iter()
+                .map(|&(b, shard, slot)| (b, shard as usize, slot)),
+        );
         let res = self.backend.load(shards).and_then(|t| self.backend.wait(t));
-        if let Ok(mut g) = self.table.lock() {
-            for &(_, _, slot) in &fills {
-                if res.is_ok() {
-                    g.fill_done(slot, false);
-                } else {
-                    g.drop_entry(slot);
-                }
-                g.unpin(slot);
-            }
-        }
+        self.end_fills(fills.iter().map(|&(_, _, slot)| slot), res.is_ok());
         match res {
             Ok(()) => {
                 add(&self.c.prefetch_shards, fills.len() as u64);
