@@ -163,11 +163,14 @@ def make_haystack(
     depths: list[float],
     rng: random.Random,
     question_room: int = 40,
+    filler_seed: int | None = None,
 ) -> Haystack:
     """A prompt prefix (instructions, then filler) of about ``length -
     question_room`` tokens holding one needle per entry of ``depths`` (0..1:
     where in the filler), each with a distinct label and a random five-digit
-    key; its questions ask for each key in turn."""
+    key; its questions ask for each key in turn. Haystacks made with the same
+    ``filler_seed`` share their filler (and so their tokens up to the first
+    needle, which an engine's prefix cache reuses)."""
     chat = ChatPrompt(tokenizer)
     head = chat.user_start() + chat.ids(NEEDLE_INSTRUCTIONS.rstrip(" "))
     labels = [
@@ -182,8 +185,9 @@ def make_haystack(
     filler_len = length - question_room - len(head) - sum(len(t) for t in needle_ids)
     sentences: list[list[int]] = []
     total = 0
+    frng = random.Random(filler_seed) if filler_seed is not None else rng
     while total < filler_len:
-        for s in chat.sentences(filler_sentences(rng, 16)):
+        for s in chat.sentences(filler_sentences(frng, 16)):
             if total + len(s) > filler_len:
                 break
             sentences.append(s)
