@@ -70,13 +70,14 @@ def _model(choice: str, work: Path) -> DemoModel:
     return DemoModel(path, s.layers, s.kv_heads, s.head_dim)
 
 
-def _prompts(model: DemoModel, tokens: int) -> tuple[list[int], list[int], str]:
-    """The prompt, a short warm-up prompt and, for the real model, the question."""
+def _prompts(model: DemoModel, tokens: int) -> tuple[list[int], list[int], str, str]:
+    """The prompt, a short warm-up prompt and, for the real model, the
+    question and the start of the answer (the end of the prompt)."""
     # A prompt no earlier run stored: the first engine really computes it.
     rng = random.Random(time.time_ns())
     if model.tokenizer is None:
         prompt = [rng.randrange(4, DEMO_SPEC.vocab) for _ in range(tokens)]
-        return prompt, [rng.randrange(4, DEMO_SPEC.vocab) for _ in range(64)], ""
+        return prompt, [rng.randrange(4, DEMO_SPEC.vocab) for _ in range(64)], "", ""
     from ucm.testing.corpus import document_tokens, make_records, rag_prompt
 
     records = make_records(rng, 24)
@@ -90,8 +91,8 @@ def _prompts(model: DemoModel, tokens: int) -> tuple[list[int], list[int], str]:
         used += n
     p = rag_prompt(model.tokenizer, docs, rng.choice(docs), rng)
     warmup = model.tokenizer("Hello, how are you?")["input_ids"]
-    question = f"{len(docs)} documents, then: {p.question} (expected: {p.expected})"
-    return p.tokens, warmup, question + "\n" + p.answer_prefix
+    question = f"{len(docs)} documents, then {p.question!r} (expected: {p.expected})"
+    return p.tokens, warmup, question, p.answer_prefix
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,10 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_memory_bytes": kv_bytes,
         },
     }
-    prompt, warmup, question = _prompts(model, args.tokens)
-    print(f"prompt: {len(prompt)} tokens")
-    if question:
-        print(f"question ({question}")
+    prompt, warmup, question, answer_prefix = _prompts(model, args.tokens)
+    print(f"prompt: {len(prompt)} tokens" + (f": {question}" if question else ""))
 
     def stored() -> int:
         return sum(1 for f in store.glob("??/*") if len(f.name) == 32)
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             out = e.call(
                 op="generate", prompts=[prompt], max_tokens=ANSWER_TOKENS, ignore_eos=False
             )
-            answer = out["text"][0]
+            answer = answer_prefix + " " + out["text"][0].strip()
         e.close()  # the restart: saves are flushed, the process exits
         results.append((ttft, cached, answer))
         what = "nothing stored yet" if run == 0 else "restarted: a new process"
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(hit rate {rate * 100:.1f} %)"
             )
         if answer:
-            print(f"     answer: {answer.strip()!r}")
+            print(f"     answer: {answer!r}")
     (cold, _, cold_answer), (warm, cached, warm_answer) = results
     print(
         f"time to first token: cold {cold:.3f} s, warm {warm:.3f} s "
