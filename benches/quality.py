@@ -368,19 +368,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few samples per cell")
     ap.add_argument("--only", choices=("needles", "rag", "rerope"), action="append")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 7680])
-    ap.add_argument("--needles", type=int, default=20, help="needles per length")
+    ap.add_argument("--needles", type=int, help="needles per length (20; --quick: 4)")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3])
-    ap.add_argument("--rag", type=int, default=24, help="RAG questions")
+    ap.add_argument("--rag", type=int, help="RAG questions (24; --quick: 10)")
     ap.add_argument("--blend-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3])
     ap.add_argument("--rerope-lengths", type=int, nargs="+", default=[4096, 8000])
-    ap.add_argument("--rerope-needles", type=int, default=8, help="needles per ReRoPE length")
+    ap.add_argument("--rerope-needles", type=int, help="needles per ReRoPE length (8; --quick: 3)")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.needles, args.rag, args.rerope_needles = 4, 10, 3
+    # --quick changes the sizes not given explicitly.
+    sizes = (4, 10, 3) if args.quick else (20, 24, 8)
+    for name, size in zip(("needles", "rag", "rerope_needles"), sizes, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, size)
     parts = args.only or ["needles", "rag", "rerope"]
     try:
         model = ensure()
