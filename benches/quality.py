@@ -1,0 +1,428 @@
+"""Answer quality on a real model: sparse attention, Cache Blend and ReRoPE
+against their dense baselines, on vLLM (CPU or GPU build).
+
+The model is SmolLM2-135M-Instruct (``ucm model fetch``), float32, greedy.
+The texts are made from a seed (``ucm.testing.corpus``): no data set.
+
+* **Needles** (pass-key retrieval): a haystack of filler prose of 2k, 4k and
+  7.5k tokens with one pass key hidden at a depth spread evenly over the
+  text (``--needles`` per length), then the question and the start of the
+  answer. Dense, then ESA, KVStar and GSA at each ``--ratios``. The dense
+  engine computes every prompt (prefix caching on: a length's prompts
+  share their filler) and saves it to a store that the sparse engines load
+  it from (prefix caching off: the sparse methods act in decode, and a
+  request releases only blocks no other request shares). Reported: accuracy (the five digits
+  exactly), median per-request decode tokens/s (every request of a length
+  decodes together), device KV blocks held per request during decode
+  (mean; dense: the request's whole block list).
+* **RAG**: ``--rag`` questions, each over 4 to 8 short documents about
+  invented landmarks (each padded to whole blocks), asking one fact of one
+  of them. Full prefill (no connector), then Blend at each
+  ``--blend-ratios``, and plain chunk reuse (Blend at ratio 0: the chunks'
+  stored KV moved to their positions, nothing but the question
+  recomputed). The chunk caches are built first by serving every document
+  alone. Reported: accuracy (the answer starts with the fact), first-token
+  KL divergence from the full prefill (over the full prefill's top 20
+  tokens; a token missing from the other run's top 20 gets its 20th log
+  probability), median TTFT (one request at a time).
+* **ReRoPE**: the model's ``max_position_embeddings`` lowered to 2048, then
+  needles at 4k and 8k tokens served past it, without and with ReRoPE
+  (``rerope_window`` 512, ``training_length`` 2048). SmolLM2 was trained to
+  8,192 positions, so "without" is plain RoPE inside its real range.
+
+Every table repeats its baseline from the same run and gives its sample
+counts. Usage::
+
+    python benches/quality.py            # 20 needles per length, 24 RAG questions, 8 ReRoPE needles
+    python benches/quality.py --quick    # 4 needles per length, 10 RAG questions, 3 ReRoPE needles
+    python benches/quality.py --only needles --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ucm.models import ModelUnavailable, ensure, load_tokenizer
+from ucm.testing.corpus import (
+    answer_digits,
+    answer_matches,
+    document_tokens,
+    make_haystack,
+    make_records,
+    rag_prompt,
+)
+from ucm.testing.harness import EngineProcess, engine_env
+
+BLOCK = 32
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x K/V x KV heads x head dim x fp32
+LOGPROBS = 20
+
+
+class Bench:
+    def __init__(self, model: Path, work: Path, verbose: bool) -> None:
+        self.model, self.work, self.verbose = model, work, verbose
+
+    def engine(self, name: str, ucm: dict[str, Any] | None, **llm: Any) -> EngineProcess:
+        t = time.time()
+        cfg: dict[str, Any] = {"model": str(llm.pop("model", self.model)), "ucm": ucm, "llm": llm}
+        e = EngineProcess(cfg, self.work / f"{name}.log", env=engine_env(), cwd=self.work)
+        self.log(f"{name}: up in {time.time() - t:.0f}s")
+        return e
+
+    def log(self, msg: str) -> None:
+        if self.verbose:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ needles
+
+
+def needle_set(
+    tok: Any, lengths: list[int], n: int, seed: int
+) -> dict[int, list[tuple[list[int], str]]]:
+    """Per length, ``n`` (prompt, key) pairs, needles at evenly spread depths;
+    a length's prompts share their filler."""
+    out: dict[int, list[tuple[list[int], str]]] = {}
+    for length in lengths:
+        rng = random.Random(seed * 1000 + length)
+        items = []
+        for i in range(n):
+            depth = 0.05 + 0.9 * i / max(1, n - 1)
+            hay = make_haystack(tok, length, [depth], rng, filler_seed=seed + length)
+            items.append((hay.prompts()[0], hay.needles[0].key))
+        out[length] = items
+    return out
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def run_needles(
+    b: Bench, sets: dict[int, list[tuple[list[int], str]]], ratios: list[float], decode: int
+) -> list[dict[str, Any]]:
+    store = b.work / "store-needles"
+    max_len = max(len(p) for items in sets.values() for p, _ in items) + decode + BLOCK
+    llm = {
+        "max_model_len": max_len,
+        "max_num_batched_tokens": 8192,
+        "kv_cache_memory_bytes": 3 << 30,
+    }
+    configs: list[tuple[str, float | None, dict[str, Any] | None]] = [("dense", None, None)]
+    for r in ratios:
+        configs.append(("ESA", r, {"ESA": {"sparse_ratio": r, "retrieval_stride": 5}}))
+        configs.append(("KVStar", r, {"KVStar": {"sparse_ratio": r}}))
+        # Thresholds low enough that every request here is sparse.
+        gsa = {"sparse_ratio": r, "seq_len_threshold": 1024, "concurrency_threshold": 1}
+        configs.append(("GSA", r, {"GSA": gsa}))
+    rows = []
+    for method, ratio, sparse in configs:
+        ucm: dict[str, Any] = {"storage_backends": str(store)}
+        if sparse:
+            ucm["ucm_sparse_config"] = sparse
+        # Prefix caching only where the prompts are computed (their filler is
+        # shared): a block shared between requests stays on the device, so
+        # the sparse engines load every prompt from the store instead.
+        e = b.engine(f"needles-{method}-{ratio}", ucm, **llm, enable_prefix_caching=sparse is None)
+        try:
+            e.generate([[1, 2, 3] * 11], max_tokens=2)  # first-call costs
+            e.call(op="sparse")
+            for length, items in sets.items():
+                prompts = [p for p, _ in items]
+                t = time.time()
+                out = e.call(op="generate", prompts=prompts, max_tokens=decode)
+                fps = e.call(op="sparse")["footprints"]
+                answers = [answer_digits(x) for x in out["text"]]
+                correct = sum(a == k for a, (_, k) in zip(answers, items, strict=True))
+                tps = [x for x in out["decode_tps"] if x]
+                held = (
+                    statistics.mean(f["max_decode_held"] for f in fps)
+                    if fps
+                    else statistics.mean(_blocks(len(p) + decode) for p in prompts)
+                )
+                rows.append(
+                    {
+                        "method": method,
+                        "ratio": ratio,
+                        "length": length,
+                        "n": len(items),
+                        "correct": correct,
+                        "decode_tps": statistics.median(tps) if tps else None,
+                        "blocks_held": held,
+                        "dense_blocks": statistics.mean(_blocks(len(p) + decode) for p in prompts),
+                        "offloaded": bool(fps),
+                        "loaded_tokens": sum(out["cached"]),
+                    }
+                )
+                b.log(
+                    f"{method} {ratio} {length}: {correct}/{len(items)} "
+                    f"({time.time() - t:.0f}s) e.g. {out['text'][0]!r}"
+                )
+        finally:
+            e.close()
+    return rows
+
+
+# ------------------------------------------------------------------------------ RAG
+
+
+def _pad(ids: list[int], pad: int) -> list[int]:
+    return ids + [pad] * (-len(ids) % BLOCK)
+
+
+def rag_set(tok: Any, n: int, seed: int) -> dict[str, Any]:
+    """``n`` questions over 4-8 documents drawn from a pool; every document
+    and the instructions padded to whole blocks (a chunk must be)."""
+    rng = random.Random(seed)
+    pool = make_records(rng, 24)
+    pad = tok("\n", add_special_tokens=False)["input_ids"][-1]
+    chunk_ids = [_pad(document_tokens(tok, r), pad) for r in pool]
+    items = []
+    for i in range(n):
+        k = 4 + i % 5
+        pick = rng.sample(range(len(pool)), k)
+        target = pool[rng.choice(pick)]
+        p = rag_prompt(tok, [pool[j] for j in pick], target, rng, [chunk_ids[j] for j in pick])
+        head = p.chunks[0][0]
+        padded_head = _pad(p.tokens[:head], pad)
+        shift = len(padded_head) - head
+        tokens = padded_head + p.tokens[head:]
+        spans = [[s + shift, e + shift] for s, e in p.chunks]
+        items.append({"tokens": tokens, "chunks": spans, "expected": p.expected, "k": k})
+    return {"chunks": chunk_ids, "items": items}
+
+
+def _kl(ref: dict[str, float], other: dict[str, float]) -> float:
+    floor = min(other.values())
+    return sum(math.exp(lp) * (lp - other.get(t, floor)) for t, lp in ref.items())
+
+
+def run_rag(b: Bench, rag: dict[str, Any], ratios: list[float], decode: int) -> list[dict]:
+    store = b.work / "store-rag"
+    max_len = max(len(it["tokens"]) for it in rag["items"]) + decode + BLOCK
+    llm = {
+        "max_model_len": max_len,
+        "max_num_batched_tokens": max(2048, max_len),
+        "kv_cache_memory_bytes": 1 << 30,
+        # Only UCM's reuse counts: no device prefix hits between questions.
+        "enable_prefix_caching": False,
+    }
+    configs: list[tuple[str, float | None]] = [("full prefill", None)]
+    configs += [(f"Blend {r}", r) for r in ratios] + [("chunk reuse", 0.0)]
+    rows, ref_lp = [], []
+    for ci, (name, ratio) in enumerate(configs):
+        ucm = None
+        if ratio is not None:
+            blend = {"blend_recompute_ratio": ratio, "min_blend_hit_blocks": 4}
+            ucm = {"storage_backends": str(store), "ucm_sparse_config": {"Blend": blend}}
+        e = b.engine(f"rag-{name.replace(' ', '-')}", ucm, **llm)
+        try:
+            e.generate([[1, 2, 3] * 11], max_tokens=2)
+            if ci == 1:  # the chunk caches, built once: every document served alone
+                e.call(op="generate", prompts=rag["chunks"], max_tokens=1)
+            e.call(op="sparse")
+            correct, kls, ttfts = 0, [], []
+            for i, it in enumerate(rag["items"]):
+                params = None
+                if ratio is not None:
+                    # The blended prompt is not saved: the next ratio must blend again.
+                    params = [{"ucm_blend_chunks": it["chunks"], "ucm_skip_save": True}]
+                out = e.call(
+                    op="generate",
+                    prompts=[it["tokens"]],
+                    params=params,
+                    max_tokens=decode,
+                    ignore_eos=False,
+                    logprobs=LOGPROBS,
+                )
+                correct += answer_matches(out["text"][0], it["expected"])
+                ttfts.append(out["ttft"][0] or out["seconds"])
+                lp = out["first_logprobs"][0]
+                if ratio is None:
+                    ref_lp.append(lp)
+                else:
+                    kls.append(_kl(ref_lp[i], lp))
+            stats = e.call(op="sparse")["blend"]
+            rows.append(
+                {
+                    "variant": name,
+                    "ratio": ratio,
+                    "n": len(rag["items"]),
+                    "correct": correct,
+                    "kl_mean": statistics.mean(kls) if kls else 0.0,
+                    "kl_max": max(kls) if kls else 0.0,
+                    "ttft_s": statistics.median(ttfts),
+                    "blend_stats": stats,
+                }
+            )
+            b.log(f"{name}: {correct}/{len(rag['items'])} {stats}")
+        finally:
+            e.close()
+    return rows
+
+
+# ------------------------------------------------------------------------------ ReRoPE
+
+TRAINING = 2048
+WINDOW = 512
+
+
+def short_context_model(b: Bench) -> Path:
+    """The model's directory with ``max_position_embeddings`` lowered (weights linked)."""
+    out = b.work / "model-2k"
+    out.mkdir(exist_ok=True)
+    for f in b.model.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    cfg = json.loads((b.model / "config.json").read_text())
+    cfg["max_position_embeddings"] = TRAINING
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def run_rerope(
+    b: Bench, sets: dict[int, list[tuple[list[int], str]]], decode: int
+) -> list[dict[str, Any]]:
+    model = short_context_model(b)
+    max_len = max(len(p) for items in sets.values() for p, _ in items) + decode + BLOCK
+    llm = {
+        "model": model,
+        "max_model_len": max_len,
+        # The checkpoint says 2048: vLLM is told the longer length explicitly.
+        "hf_overrides": {"max_position_embeddings": max_len},
+        "max_num_batched_tokens": 8192,
+        "kv_cache_memory_bytes": 3 << 30,
+        "enable_prefix_caching": True,
+    }
+    rows = []
+    for name, sparse in (
+        ("without", None),
+        ("ReRoPE", {"ReRoPE": {"rerope_window": WINDOW, "training_length": TRAINING}}),
+    ):
+        ucm: dict[str, Any] = {"storage_backends": str(b.work / f"store-rerope-{name}")}
+        if sparse:
+            ucm["ucm_sparse_config"] = sparse
+        e = b.engine(f"rerope-{name}", ucm, **dict(llm))
+        try:
+            for length, items in sets.items():
+                out = e.call(op="generate", prompts=[p for p, _ in items], max_tokens=decode)
+                correct = sum(
+                    answer_digits(x) == k for x, (_, k) in zip(out["text"], items, strict=True)
+                )
+                rows.append(
+                    {"variant": name, "length": length, "n": len(items), "correct": correct}
+                )
+                b.log(f"rerope {name} {length}: {correct}/{len(items)} e.g. {out['text'][0]!r}")
+        finally:
+            e.close()
+    return rows
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _pct(c: int, n: int) -> str:
+    return f"{c}/{n} ({100 * c / n:.0f} %)"
+
+
+def print_tables(res: dict[str, Any]) -> None:
+    if "needles" in res:
+        print("\npass-key retrieval (accuracy; median decode tok/s; device KV blocks held/request)")
+        print(
+            f"{'method':<8} {'ratio':>5} {'length':>6} {'accuracy':>13} {'tok/s':>7} {'blocks':>13}"
+        )
+        for r in res["needles"]:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}"
+            tps = "-" if r["decode_tps"] is None else f"{r['decode_tps']:.1f}"
+            held = f"{r['blocks_held']:.0f}/{r['dense_blocks']:.0f}"
+            print(
+                f"{r['method']:<8} {ratio:>5} {r['length']:>6} "
+                f"{_pct(r['correct'], r['n']):>13} {tps:>7} {held:>13}"
+            )
+    if "rag" in res:
+        print("\nRAG over 4-8 documents (accuracy; first-token KL vs full prefill; median TTFT)")
+        print(f"{'variant':<13} {'accuracy':>13} {'KL mean':>8} {'KL max':>8} {'TTFT ms':>8}")
+        for r in res["rag"]:
+            print(
+                f"{r['variant']:<13} {_pct(r['correct'], r['n']):>13} {r['kl_mean']:>8.4f} "
+                f"{r['kl_max']:>8.4f} {1e3 * r['ttft_s']:>8.1f}"
+            )
+    if "rerope" in res:
+        print(f"\npass-key retrieval past max_position_embeddings = {TRAINING}")
+        print(f"{'variant':<8} {'length':>6} {'accuracy':>13}")
+        for r in res["rerope"]:
+            print(f"{r['variant']:<8} {r['length']:>6} {_pct(r['correct'], r['n']):>13}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few samples per cell")
+    ap.add_argument("--only", choices=("needles", "rag", "rerope"), action="append")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 7680])
+    ap.add_argument("--needles", type=int, help="needles per length (20; --quick: 4)")
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    ap.add_argument("--rag", type=int, help="RAG questions (24; --quick: 10)")
+    ap.add_argument("--blend-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3])
+    ap.add_argument("--rerope-lengths", type=int, nargs="+", default=[4096, 8000])
+    ap.add_argument("--rerope-needles", type=int, help="needles per ReRoPE length (8; --quick: 3)")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
+    args = ap.parse_args(argv)
+    # --quick changes the sizes not given explicitly.
+    sizes = (4, 10, 3) if args.quick else (20, 24, 8)
+    for name, size in zip(("needles", "rag", "rerope_needles"), sizes, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, size)
+    parts = args.only or ["needles", "rag", "rerope"]
+    try:
+        model = ensure()
+    except ModelUnavailable as e:
+        print(f"the real model is not available: {e}", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(model)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="ucm-quality-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        b = Bench(model, work, args.verbose)
+        res: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+
+        def done(part: str, rows: list[dict[str, Any]], t: float) -> None:
+            # Each table as soon as it is measured (and saved): a long run
+            # stopped later keeps what it finished.
+            res[part] = rows
+            res[f"{part}_seconds"] = time.time() - t
+            print_tables({part: rows})
+            print(f"({part}: {res[f'{part}_seconds'] / 60:.1f} min)", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(res, indent=2))
+
+        if "needles" in parts:
+            t = time.time()
+            sets = needle_set(tok, args.lengths, args.needles, args.seed)
+            done("needles", run_needles(b, sets, args.ratios, decode=10), t)
+        if "rag" in parts:
+            t = time.time()
+            rag = rag_set(tok, args.rag, args.seed)
+            done("rag", run_rag(b, rag, args.blend_ratios, 12), t)
+        if "rerope" in parts:
+            t = time.time()
+            sets = needle_set(tok, args.rerope_lengths, args.rerope_needles, args.seed + 1)
+            done("rerope", run_rerope(b, sets, decode=10), t)
+    print(f"\ntotal: {(time.time() - t0) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
