@@ -24,7 +24,7 @@
 
 mod pool;
 
-pub use pool::WorkerPool;
+pub use pool::{PoolSender, WorkerPool};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -11,7 +11,7 @@ use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, COPY_JOB_BYTES, LOCK_C
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
-use crate::task::TaskId;
+use crate::task::{PoolSender, TaskId};
 
 /// Shards to fill, each with the slot allocated for it.
 type Fills = Vec<(ShardIo, u32)>;
@@ -108,8 +108,9 @@ impl Inner {
             let unwritten = self.wb.dirty_among(direct.iter().map(|(s, _)| &s.block));
             let (me, ctx2) = (self.clone(), ctx.clone());
             let n = direct.len();
+            let fill_pool = rt.fills.sender();
             self.spawn_or_fail(&rt.waits, &ctx, n, move || {
-                me.direct_fill(&ctx2, direct, unwritten)
+                me.direct_fill(&ctx2, direct, unwritten, fill_pool)
             });
         }
         if !fills.is_empty() {
@@ -267,16 +268,18 @@ impl Inner {
             .partition(|(s, _)| self.transport.is_host(&s.segs))
     }
 
-    /// Reads `fills` from the backend into the caller's memory, finishes
-    /// them, then reads the same shards into their (still FILLING, pinned)
-    /// slots. Loads of these shards meanwhile wait for the slot as for any
-    /// fill. The second read never touches caller memory, which may be
-    /// gone once its task has finished.
+    /// Reads `fills` from the backend into the caller's memory and finishes
+    /// them; then queues the read of the same shards into their (still
+    /// FILLING, pinned) slots on the low-priority fill pool. Loads of these
+    /// shards meanwhile wait for the slot as for any fill. The second read
+    /// never touches caller memory, which may be gone once its task has
+    /// finished.
     pub(super) fn direct_fill(
-        &self,
+        self: &Arc<Self>,
         ctx: &TaskCtx,
-        fills: Vec<(ShardIo, u32)>,
+        fills: Fills,
         unwritten: Vec<BlockId>,
+        fill_pool: Option<PoolSender>,
     ) {
         if !unwritten.is_empty() {
             self.wb.settle(&unwritten, self.deadline(ctx));
@@ -299,13 +302,21 @@ impl Inner {
         for _ in 0..n {
             ctx.done(&self.c, res.clone());
         }
-        let filled = match res {
-            Ok(()) => {
-                let shards = self.slot_shards(slots.iter().copied());
-                self.backend.load(shards).and_then(|t| self.backend.wait(t))
-            }
-            Err(e) => Err(e),
-        };
+        let ends: Vec<u32> = slots.iter().map(|&(_, _, slot)| slot).collect();
+        let me = self.clone();
+        let queued =
+            res.is_ok() && fill_pool.is_some_and(|p| p.spawn(move || me.fill_slots(slots)));
+        if !queued {
+            self.end_fills(ends, false);
+        }
+    }
+
+    /// Reads shards into their slots, which then become ready (or leave
+    /// the index if the read failed).
+    fn fill_slots(&self, slots: Vec<(BlockId, usize, u32)>) {
+        let n = slots.len() as u64;
+        let shards = self.slot_shards(slots.iter().copied());
+        let filled = self.backend.load(shards).and_then(|t| self.backend.wait(t));
         if filled.is_ok() {
             add(&self.c.fills_after_load, n);
         }

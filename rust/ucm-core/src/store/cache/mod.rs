@@ -148,6 +148,9 @@ struct Runtime {
     prefault: Option<prefault::Prefault>,
     copy: WorkerPool,
     waits: WorkerPool,
+    /// Cache fills after loads that went straight to the caller, at low
+    /// CPU priority: they must not slow the engine computing meanwhile.
+    fills: WorkerPool,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -205,6 +208,7 @@ impl CacheStore {
         };
         let copy = WorkerPool::new("ucm-cache-copy", inner.cfg.copy_threads)?;
         let waits = WorkerPool::new("ucm-cache-wait", inner.cfg.backend_threads)?;
+        let fills = WorkerPool::background("ucm-cache-fill", 1)?;
         let wb_inner = inner.clone();
         let writer = std::thread::Builder::new()
             .name("ucm-cache-writeback".into())
@@ -226,6 +230,7 @@ impl CacheStore {
                 prefault,
                 copy,
                 waits,
+                fills,
                 writer: Some(writer),
             })),
             closed: AtomicBool::new(false),
@@ -518,6 +523,7 @@ impl Store for CacheStore {
         drop(rt.prefault.take());
         drop(rt.copy);
         drop(rt.waits);
+        drop(rt.fills);
         let flushed = if self.inner.transfers() {
             // Dirty slots of departed participants are written by us too.
             self.inner.housekeep();
