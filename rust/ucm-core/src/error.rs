@@ -151,6 +151,16 @@ impl UcmError {
         }
     }
 
+    /// A shard whose bytes do not match the checksum in its header.
+    pub fn shard_checksum(block: crate::block::BlockId, shard: usize) -> Self {
+        Self::corrupt(
+            Damage::Checksum,
+            Some(block),
+            Some(shard),
+            format!("block {block} shard {shard}: data checksum mismatch"),
+        )
+    }
+
     /// Shorthand for [`UcmError::InvalidParam`].
     pub fn invalid(msg: impl Into<String>) -> Self {
         UcmError::InvalidParam(msg.into())

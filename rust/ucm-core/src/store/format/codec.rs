@@ -90,15 +90,7 @@ pub unsafe fn decode_region(layout: &Layout, shard: &ShardIo, raw: &[u8]) -> Res
     let hdr = ShardHeader::decode_expect(&raw[..HEADER_LEN], &shard.block, shard.index, layout)?;
     let data = &raw[HEADER_LEN..need];
     if xxh3_64(data) != hdr.checksum {
-        return Err(UcmError::corrupt(
-            Damage::Checksum,
-            Some(shard.block),
-            Some(shard.index),
-            format!(
-                "block {} shard {}: data checksum mismatch",
-                shard.block, shard.index
-            ),
-        ));
+        return Err(UcmError::shard_checksum(shard.block, shard.index));
     }
     let mut off = 0;
     for s in &shard.segs {

@@ -262,15 +262,7 @@ impl Shared {
             unsafe { checksum_segs(&shard.segs) }
         };
         if sum != hdr.checksum {
-            return Err(UcmError::corrupt(
-                Damage::Checksum,
-                Some(shard.block),
-                Some(shard.index),
-                format!(
-                    "block {} shard {}: data checksum mismatch",
-                    shard.block, shard.index
-                ),
-            ));
+            return Err(UcmError::shard_checksum(shard.block, shard.index));
         }
         Ok(())
     }
