@@ -60,17 +60,10 @@ def samples(text: str) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    extra = {"storage_backends": str(root / "store"), "store_pipeline": "Posix"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "ucm.integration.vllm.cli",
-        "serve",
-        str(tiny_model),
+def tiny_server_args(port: int) -> list[str]:
+    """``vllm serve`` options for the tiny model on 127.0.0.1:``port``, with
+    vLLM's own prefix cache off so repeats come from the UCM store."""
+    return [
         "--host",
         "127.0.0.1",
         "--port",
@@ -87,6 +80,21 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         "--kv-cache-memory-bytes",
         str(64 << 20),
         "--no-enable-prefix-caching",
+    ]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    extra = {"storage_backends": str(root / "store"), "store_pipeline": "Posix"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "ucm.integration.vllm.cli",
+        "serve",
+        str(tiny_model),
+        *tiny_server_args(port),
         "--kv-transfer-config",
         json.dumps(
             {
@@ -139,6 +147,18 @@ def serving(cmd: list[str], log: Path, port: int, **env_extra: str) -> Iterator[
                 proc.wait()
 
 
+def wait_for_metric(base: str, name: str, at_least: float, tries: int) -> dict[str, float]:
+    """Polls /metrics (every 0.1 s, ``tries`` times) until ``name`` reaches
+    ``at_least``; returns the last samples either way."""
+    m: dict[str, float] = {}
+    for _ in range(tries):
+        m = samples(http(base + "/metrics")[1])
+        if m.get(name, 0) >= at_least:
+            break
+        time.sleep(0.1)
+    return m
+
+
 def complete(base: str, prompt: str = PROMPT, control: dict | None = None) -> dict:
     body: dict = {
         "model": "tiny",
@@ -175,20 +195,11 @@ def test_serve_completions_and_metrics(server: tuple[str, Path]) -> None:
     n_prompt = first["usage"]["prompt_tokens"]
     assert n_prompt >= 64
     # The save of the first request completes asynchronously.
-    m: dict[str, float] = {}
-    for _ in range(100):
-        m = samples(http(base + "/metrics")[1])
-        if m.get("ucm_save_blocks_total", 0) >= n_prompt // 32:
-            break
-        time.sleep(0.1)
+    m = wait_for_metric(base, "ucm_save_blocks_total", n_prompt // 32, tries=100)
     assert m.get("ucm_save_blocks_total", 0) == n_prompt // 32
     second = complete(base)
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
-    for _ in range(50):
-        m = samples(http(base + "/metrics")[1])
-        if m.get("ucm_load_blocks_total", 0):
-            break
-        time.sleep(0.1)
+    m = wait_for_metric(base, "ucm_load_blocks_total", 1, tries=50)
     full = n_prompt // 32
     assert m["ucm_load_blocks_total"] == full
     assert m["ucm_lookup_tokens_total"] == 2 * n_prompt
@@ -263,36 +274,13 @@ def test_the_design_documents_yaml_serves(tiny_model: Path, tmp_path: Path) -> N
         str(tiny_model),
         "--ucm-config",
         str(cfg),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--block-size",
-        "32",
-        "--kv-cache-memory-bytes",
-        str(64 << 20),
-        "--no-enable-prefix-caching",
+        *tiny_server_args(port),
     ]
     with serving(cmd, tmp_path / "serve.log", port) as base:
         first = complete(base)
-        m: dict[str, float] = {}
-        for _ in range(100):  # the first request's save completes asynchronously
-            m = samples(http(base + "/metrics")[1])
-            if m.get("ucm_save_blocks_total", 0) >= 1:
-                break
-            time.sleep(0.1)
+        # The first request's save completes asynchronously.
+        wait_for_metric(base, "ucm_save_blocks_total", 1, tries=100)
         second = complete(base)
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
-        for _ in range(50):
-            m = samples(http(base + "/metrics")[1])
-            if m.get("ucm_load_blocks_total", 0):
-                break
-            time.sleep(0.1)
+        m = wait_for_metric(base, "ucm_load_blocks_total", 1, tries=50)
         assert m.get("ucm_load_blocks_total", 0) > 0, m
