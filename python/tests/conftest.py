@@ -15,9 +15,32 @@ import pytest
 # asks otherwise; it must be set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from support.servers import MotoServer, NfsServer
 from support.store_helpers import base_config
 
 from ucm.store import UcmConnectorFactory, UcmKVStoreBase
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    """A local S3 server (moto) for the module's tests."""
+    try:
+        server = MotoServer()
+    except FileNotFoundError as e:
+        pytest.skip(f"{e} is not installed")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def nfs() -> Iterator[NfsServer]:
+    """A local NFS server for the module's tests."""
+    try:
+        server = NfsServer()
+    except (FileNotFoundError, PermissionError) as e:
+        pytest.skip(f"no NFS server: {e}")
+    yield server
+    server.close()
 
 
 @pytest.fixture

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from click.testing import CliRunner
 from support.remote_helpers import SHARD, SHARDS, bid, dump
@@ -26,26 +24,6 @@ GEOMETRY = {
     "tensor_size_list": [SHARD // 2, SHARD // 2],
     "timeout_ms": 10000,
 }
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    try:
-        server = MotoServer()
-    except FileNotFoundError as e:
-        pytest.skip(f"{e} is not installed")
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def nfs() -> Iterator[NfsServer]:
-    try:
-        server = NfsServer()
-    except (FileNotFoundError, PermissionError) as e:
-        pytest.skip(f"no NFS server: {e}")
-    yield server
-    server.close()
 
 
 def fill(cfg: dict[str, Any], blocks: list[int]) -> None:

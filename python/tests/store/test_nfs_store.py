@@ -19,7 +19,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +35,6 @@ from ucm.store import (
     UcmKVStoreBase,
     UcmStoreError,
 )
-
-
-@pytest.fixture(scope="module")
-def nfs() -> Iterator[NfsServer]:
-    try:
-        server = NfsServer()
-    except (FileNotFoundError, PermissionError) as e:
-        pytest.skip(f"no NFS server: {e}")
-    yield server
-    server.close()
 
 
 def nfs_config(target: str, **overrides: Any) -> dict[str, Any]:

@@ -37,16 +37,6 @@ from ucm.store import (
 )
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    try:
-        server = MotoServer()
-    except FileNotFoundError as e:
-        pytest.skip(f"{e} is not installed")
-    yield server
-    server.close()
-
-
 def s3_config(server: MotoServer, bucket: str, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "store_pipeline": "S3",
