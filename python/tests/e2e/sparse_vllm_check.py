@@ -11,6 +11,9 @@ Usage: ``python sparse_vllm_check.py MODEL_DIR WORK_DIR SCENARIO`` with SCENARIO
   (``kv_both``): the unselected blocks leave device KV and the selected ones
   come back from the store; then two requests served together (mixed
   prefill/decode batches), also with KVStar in place and offloading;
+* ``gsa_load``: GSA at ``sparse_ratio: 0.3`` computing its prompts and
+  saving them, then a fresh engine loading them from the store: the blocks
+  each decode step selects (recorded by a ``GSA`` subclass) must be the same;
 * ``readme``: the README's user method (its two code blocks as they stand:
   the method's file, then its registration and config), dense, with a window
   that covers every block, and with the README's config.
@@ -27,7 +30,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ucm.testing.harness import prepare_engine_child
 
@@ -35,6 +38,7 @@ prepare_engine_child()
 
 # After the environment: ucm.sparse reads TRITON_INTERPRET when imported.
 from ucm.sparse.base import UcmSparseBase  # noqa: E402
+from ucm.sparse.gsa import GSA  # noqa: E402
 
 BLOCK = 32
 SPEC = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}
@@ -116,6 +120,7 @@ class Run:
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         secs = time.perf_counter() - t0
+        self.cached = [o.num_cached_tokens for o in outs]
         m = outs[0].metrics
         self.decode_tps = None
         if m is not None and m.last_token_ts > m.first_token_ts:
@@ -259,6 +264,51 @@ def scenario_offload(model: Path, work: Path) -> dict[str, Any]:
     return res
 
 
+class RecordingGSA(GSA):
+    """GSA that records, per decode row and layer, the logical blocks it selects."""
+
+    selections: ClassVar[list[tuple[int, int, list[int]]]] = []
+
+    def select(self, layer, query, block_table, seq_lens):  # type: ignore[no-untyped-def]
+        out = super().select(layer, query, block_table, seq_lens)
+        if out is not None:
+            table, lens = out
+            for i in range(table.shape[0]):
+                row = block_table[i].tolist()
+                kept = -(-int(lens[i]) // BLOCK)
+                logical = [row.index(int(b)) for b in table[i, :kept]]
+                self.selections.append((layer, int(seq_lens[i]), logical))
+        return out
+
+
+def scenario_gsa_load(model: Path, work: Path) -> dict[str, Any]:
+    from ucm.sparse.factory import UcmSparseFactory
+
+    UcmSparseFactory.register_sparse_method("RecordingGSA", "sparse_vllm_check", "RecordingGSA")
+    import sparse_vllm_check as me  # the module the factory imports (not __main__)
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, 512) for _ in range(n)] for n in (700, 1000, 333)]
+    cfg = {
+        "RecordingGSA": {
+            "sparse_ratio": 0.3,
+            "seq_len_threshold": 256,
+            "concurrency_threshold": 1,
+            "rollback_layers": [0],
+        }
+    }
+    res: dict[str, Any] = {}
+    for label in ("computed", "loaded"):
+        me.RecordingGSA.selections.clear()
+        r = Run(model, work, "gsa-load", cfg)  # one store: the second engine loads
+        res[label], _ = r.generate(prompts, 8)
+        res[f"{label}_stats"] = r.worker_stats()
+        res[f"{label}_selections"] = sorted(me.RecordingGSA.selections)
+        res[f"{label}_cached"] = r.cached
+        r.close()
+    return res
+
+
 def readme_user_method() -> tuple[str, str]:
     """The README's user-method example: the method's file and its registration."""
     text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
@@ -296,7 +346,12 @@ def main() -> None:
     model = make_tiny_llama(sys.argv[1], TinyModelSpec(**SPEC))
     work = Path(sys.argv[2])
     scenario = sys.argv[3]
-    fn = {"exact": scenario_exact, "offload": scenario_offload, "readme": scenario_readme}[scenario]
+    fn = {
+        "exact": scenario_exact,
+        "offload": scenario_offload,
+        "gsa_load": scenario_gsa_load,
+        "readme": scenario_readme,
+    }[scenario]
     res = fn(model, work)
     print("@@RESULT@@ " + json.dumps(res), flush=True)
 

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from support.engines import run_check_script
 
+BLOCK = 32  # sparse_vllm_check.BLOCK
+
 HERE = Path(__file__).resolve().parent
 
 needs_vllm = pytest.mark.skipif(
@@ -78,6 +80,23 @@ def test_ratio_one_is_exactly_dense_and_hooks_uninstall(
     assert g3["sparse_rows"] == 3 * 7 and g3["attended_blocks"] < 0.5 * g3["dense_blocks"]
     assert [t[0] for t in r["GSA_03"]] == [t[0] for t in dense]
     assert all(len(t) == 8 for t in r["GSA_03"])
+
+
+@needs_vllm
+def test_gsa_selects_the_same_blocks_after_a_load(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """GSA's key codes cover blocks loaded from the store: a fresh engine that
+    loads the prompts selects, at every decode step and layer, the blocks an
+    engine that computed them selected."""
+    r = _run_child("gsa_load", tmp_path, request)
+    assert r["computed_cached"] == [0, 0, 0]
+    # Every full block came from the store (prefix caching is off).
+    assert r["loaded_cached"] == [n - n % BLOCK for n in (700, 1000, 333)]
+    assert r["computed_stats"]["sparse_rows"] == r["loaded_stats"]["sparse_rows"] == 3 * 7
+    assert r["loaded_selections"] == r["computed_selections"]
+    assert r["loaded"] == r["computed"]
+    assert r["loaded_stats"]["block_layers_coded_from_kv"] > 0
 
 
 @needs_vllm

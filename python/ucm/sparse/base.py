@@ -81,8 +81,10 @@ class SparseNeeds:
     the method implements :class:`ucm.sparse.offload.OffloadSparseBase`
     (representatives at the prefill's end, a selection per decode step)."""
     key_codes: bool = False
-    """A code is kept for every cached key, written at every step, and the
-    blocks of a decode batch are selected from them (``write_key_codes``,
+    """A code is kept for every cached key, written at every step (and, for
+    blocks loaded from the store or shared with another request, coded from
+    the KV cache at the request's first step), and the blocks of a decode
+    batch are selected from them (``write_key_codes``,
     ``begin_step``, ``select``, as :class:`ucm.sparse.gsa.GSA`)."""
     loads_before_forward: bool = False
     """The step's loads from the store are all in place before the forward

@@ -89,6 +89,8 @@ class SelectionDriver:
         self._swap: dict[str, list[int]] = {}
         self._swap_ready: set[tuple[str, int]] = set()
         self._inflight: list[_SwapLoad] = []
+        self._coded: dict[str, int] = {}
+        """Key codes: tokens of each request whose codes are in the code caches."""
         self.stats: dict[str, int] = {
             "sparse_rows": 0,
             "attended_blocks": 0,
@@ -98,6 +100,7 @@ class SelectionDriver:
             "kernel_skipped": 0,
             "mixed_batches": 0,
             "loads_deferred": 0,
+            "block_layers_coded_from_kv": 0,
         }
 
     def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any]) -> None:
@@ -127,6 +130,9 @@ class SelectionDriver:
         # Delta loads overlap the forward; they finish within the step, before
         # the scheduler may free (or hand out) any block of the request.
         self.finish_inflight()
+        if step is not None and self.needs.key_codes:
+            for r in step.requests:
+                self._coded[r.req_id] = r.end
         return step
 
     # -- the attention driver (see hooks.wrap_attention_impl) ------------------
@@ -143,6 +149,7 @@ class SelectionDriver:
             # Every key gets its code, sparse step or not, so later steps can use it.
             n = int(attn_metadata.num_actual_tokens)
             d = self._head_dim(layer_name)
+            self._code_cached_prefixes(layer_name, attn_metadata)
             self.agent.write_key_codes(
                 self._layer[layer_name], key[:n].view(n, -1, d), attn_metadata.slot_mapping[:n]
             )
@@ -233,10 +240,33 @@ class SelectionDriver:
 
     def drop(self, rid: str) -> None:
         """Forgets a finished or preempted request (its selection state too)."""
+        self._coded.pop(rid, None)
         self._store_ids.pop(rid, None)
         self._swap.pop(rid, None)
         self._swap_ready = {k for k in self._swap_ready if k[0] != rid}
         self.agent.request_finished_in_worker(rid)
+
+    def _code_cached_prefixes(self, layer_name: str, md: Any) -> None:
+        """Writes the codes of keys this engine did not compute: blocks loaded
+        from the store (or taken from another request's prefix) hold KV whose
+        code-cache entries belong to whatever used those blocks before. Whole
+        blocks are coded from the KV cache itself; the slots of this step's
+        tokens are overwritten by their own codes right after."""
+        k_view = None
+        for r in self._rows_of(md):
+            info = r.info
+            if info is None or info.start <= self._coded.get(info.req_id, 0):
+                continue
+            if k_view is None:
+                k_view, _ = kv_views(self._kv[layer_name])
+            first = self._coded.get(info.req_id, 0) // self.block_size
+            ids = md.block_table[r.index, first : cdiv(info.start, self.block_size)]
+            ids = ids.to(device=k_view.device, dtype=torch.int64)
+            keys = k_view[ids].reshape(-1, k_view.shape[2], k_view.shape[3])
+            offsets = torch.arange(self.block_size, device=ids.device)
+            slots = (ids.unsqueeze(1) * self.block_size + offsets).reshape(-1)
+            self.agent.write_key_codes(self._layer[layer_name], keys, slots)
+            self.stats["block_layers_coded_from_kv"] += int(ids.numel())
 
     def _prefill_finished(self, layer_name: str, r: _Row, query: torch.Tensor, md: Any) -> None:
         info = r.info
