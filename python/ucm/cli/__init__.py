@@ -1,5 +1,6 @@
 """The ``ucm`` command (also ``python -m ucm``): serve vLLM with the
-connector, look after a store, check a config, measure a directory, fetch the demo's model.
+connector, route prefill/decode engines, look after a store, check a config, measure a
+directory, fetch the demo's model.
 
 Built on click, a well-kept CLI library: ``--help`` on every command, exit
 codes, and prompts come with it.
@@ -12,6 +13,7 @@ import click
 from ucm.cli.bench_cmd import bench
 from ucm.cli.config_cmd import config
 from ucm.cli.model_cmd import model
+from ucm.cli.proxy_cmd import proxy
 from ucm.cli.serve_cmd import serve
 from ucm.cli.store_cmd import store
 
@@ -28,5 +30,6 @@ main.add_command(store)
 main.add_command(config)
 main.add_command(bench)
 main.add_command(model)
+main.add_command(proxy)
 
 __all__ = ["main"]

@@ -23,6 +23,9 @@ CONNECTOR = {
     "kv_connector_module_path": "ucm.integration.vllm.ucm_connector",
     "kv_role": "kv_both",
 }
+#: ``--kv-role``: vLLM's name of each role. A prefill engine of a prefill/decode
+#: deployment (``ucm proxy``) only saves, a decode engine only loads.
+KV_ROLES = {"both": "kv_both", "producer": "kv_producer", "consumer": "kv_consumer"}
 #: Share of the available memory the CPU build's KV cache may take, and its cap.
 CPU_KV_SHARE, CPU_KV_MAX = 0.2, 8 << 30
 
@@ -63,6 +66,7 @@ def build_vllm_args(
     storage: str | None,
     layerwise: bool,
     cpu: bool,
+    kv_role: str = "both",
 ) -> tuple[list[str], dict[str, str]]:
     """The ``vllm serve`` arguments and extra environment for ``ucm serve``."""
     env: dict[str, str] = {}
@@ -73,7 +77,7 @@ def build_vllm_args(
             extra["storage_backends"] = storage
         if layerwise:
             extra["use_layerwise"] = True
-        transfer = {**CONNECTOR, "kv_connector_extra_config": extra}
+        transfer = {**CONNECTOR, "kv_role": KV_ROLES[kv_role], "kv_connector_extra_config": extra}
         out += ["--kv-transfer-config", json.dumps(transfer)]
     if config_file:
         env["UCM_CONFIG_FILE"] = str(Path(config_file).resolve())
@@ -93,6 +97,13 @@ def build_vllm_args(
 )
 @click.option("--storage", help="Directory of the default store (default: ~/.cache/ucm/kv).")
 @click.option("--layerwise", is_flag=True, help="Load and save layer by layer.")
+@click.option(
+    "--kv-role",
+    type=click.Choice(sorted(KV_ROLES)),
+    default="both",
+    show_default=True,
+    help="producer: a prefill engine, consumer: a decode engine (see `ucm proxy`).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the vllm command instead of running it.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
@@ -100,6 +111,7 @@ def serve(
     config_file: str | None,
     storage: str | None,
     layerwise: bool,
+    kv_role: str,
     dry_run: bool,
     vllm_args: tuple[str, ...],
 ) -> None:
@@ -115,6 +127,7 @@ def serve(
         storage=storage,
         layerwise=layerwise,
         cpu=_cpu_build(),
+        kv_role=kv_role,
     )
     if dry_run:
         for k, v in env.items():

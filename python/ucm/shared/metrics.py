@@ -14,6 +14,8 @@ Instruments (Prometheus names)::
     ucm_save_skipped_blocks_total      counter    saves skipped while the store was unusable
     ucm_store_errors_total             counter    store failures (open, I/O, full, timeout)
     ucm_store_healthy                  gauge      1 while the store is usable, else 0
+    ucm_handover_timeouts_total        counter    P/D: handed-over blocks not there in time
+    ucm_handover_mismatches_total      counter    P/D: handed-over blocks of another deployment
 
 Exporting: with ``prometheus_client``'s default registry (one process serves
 ``/metrics``, as ``vllm serve`` with one API server does) a
@@ -55,6 +57,10 @@ COUNTERS: dict[str, str] = {
     "save_failed_blocks": "KV blocks whose save failed",
     "save_skipped_blocks": "KV blocks not saved because the store was unusable",
     "store_errors": "Store failures (open, I/O, full disk, timeout)",
+    "handover_timeouts": "P/D decode requests whose handed-over blocks were not all in the "
+    "store within handover_timeout_s (the rest was computed)",
+    "handover_mismatches": "P/D decode requests whose handed-over blocks were keyed for "
+    "another deployment (model, salt, block size); the prompt was computed",
 }
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "load_duration_ms": ("load_durations_ms", "Duration of one load, in milliseconds"),

@@ -106,6 +106,11 @@ class UcmConnectorConfig:
     """Longest wait between tries of an unusable store."""
     warning_interval_s: float = ranged(30.0, 0.0, 86400.0)
     """At most one warning per this many seconds about an unusable store."""
+    handover_timeout_s: float = ranged(30.0, 0.0, 3600.0)
+    """Prefill/decode disaggregation: how long a decode engine waits for the blocks a
+    prefill engine handed over before it computes the missing part (with a warning and
+    the ``ucm_handover_timeouts_total`` metric), and how long a prefill engine's
+    workers wait for those blocks' saves before it answers anyway."""
     force_host_staging: bool = False
     """Move KV through host staging buffers even for CPU tensors (as GPU builds do); for tests."""
 

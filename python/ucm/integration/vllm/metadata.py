@@ -22,6 +22,9 @@ class ReqTransfer:
     sparse: Any = None
     """The sparse method's payload for this request (opaque to the
     connector; see :class:`~ucm.integration.vllm.scheduler.SchedulerExtension`)."""
+    handover: bool = False
+    """P/D prefill engine: the prompt is complete after this step; the workers
+    wait for the request's saves before the step ends (see :mod:`.handover`)."""
 
 
 @dataclass

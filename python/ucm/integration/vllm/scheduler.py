@@ -14,10 +14,15 @@ A request's blocks fall into::
 Saves are asynchronous: :meth:`request_finished` keeps a request's blocks
 alive (returns True) when saves were planned for it, until every worker
 reports them done through ``get_finished``.
+
+Prefill/decode disaggregation (:mod:`.handover`): a prefill engine also
+saves a handover request's partial last block and answers with the blocks
+it saved; a decode engine waits for those blocks before it reports its hit.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,6 +31,7 @@ import numpy as np
 
 from ucm.hashing import block_ids
 from ucm.integration.vllm.config import ResolvedConfig
+from ucm.integration.vllm.handover import Handover, tail_key, wants_handover
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.request_control import RequestControl
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
@@ -143,6 +149,9 @@ class _ReqState:
     save_extra: list[int] = field(default_factory=list)  # local blocks the store lacks
     pending_load: tuple[int, int] | None = None
     last_load: tuple[int, int] | None = None
+    handover_at: int = 0  # prefill engine: prompt tokens to hand over (0: none)
+    tail: bytes | None = None  # prefill engine: key of the prompt's partial last block
+    handover_planned: bool = False
 
 
 class UCMSchedulerSide:
@@ -179,6 +188,8 @@ class UCMSchedulerSide:
         self._reqs: dict[str, _ReqState] = {}
         self._hashes: dict[str, tuple[int, list[bytes]]] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # req -> (local_blocks, ext_blocks)
+        self._tail_loads: dict[str, bytes] = {}  # req -> key of the handed-over tail block
+        self._waits = HandoverWaits(cfg.connector.handover_timeout_s)
         self._reqs_with_saves: set[str] = set()
         self._kv_cache_manager: Any = None
         self._errors_reported = 0
@@ -235,9 +246,13 @@ class UCMSchedulerSide:
         B = self.block_size
         local = num_computed_tokens // B
         self._lookups[request.request_id] = (local, 0)
+        self._tail_loads.pop(request.request_id, None)
         ids = self.store_keys(request)
         control = RequestControl.of(request)
-        if not ids or local >= len(ids) or not self.load_enabled or control.skip_load:
+        if ids is None or not self.load_enabled or control.skip_load:
+            return 0, False
+        handed = self._handed_over(request, ids)
+        if local >= len(ids) and (handed is None or len(handed) == len(ids)):
             return 0, False
         store = self.store.get()
         if store is None:
@@ -253,20 +268,47 @@ class UCMSchedulerSide:
             self._lookups[request.request_id] = (local, ext)
             return ext * B, False
         try:
-            ext = store.lookup_on_prefix(ids[local:]) + 1
+            ext = store.lookup_on_prefix(ids[local:]) + 1 if local < len(ids) else 0
+            tail = None
+            if handed is not None and len(handed) > len(ids) and local + ext == len(ids):
+                tail = handed[-1] if store.lookup([handed[-1]])[0] else None
         except Exception as e:
             self.store.report_failure(e, "lookup")
             return 0, False
         self.store.report_success()
         ext += self._saving.prefix(ids, local + ext)
+        if handed is not None:
+            complete = local + ext >= min(len(handed), len(ids)) and (
+                len(handed) == len(ids) or tail is not None
+            )
+            waiting = None if complete else self._waits.wait(request.request_id)
+            if waiting:
+                # The prefill engine's blocks are on their way: ask again
+                # next step rather than compute the prompt.
+                return None, False
+            if waiting is False:
+                logger.warning(
+                    "request %s: the prefill engine's %d block(s) were not all in the store "
+                    "after %.1f s (found %d); computing the rest here",
+                    request.request_id,
+                    len(handed),
+                    self.cfg.connector.handover_timeout_s,
+                    local + ext + (tail is not None),
+                )
+                self.stats.add(handover_timeouts=1)
         ext_tokens = ext * B
+        if tail is not None:
+            ext_tokens = request.num_prompt_tokens - local * B
+            self._tail_loads[request.request_id] = tail
         if local * B + ext_tokens >= request.num_tokens:
             # vLLM must compute at least one token: recompute the last one.
             ext_tokens = request.num_tokens - 1 - local * B
         ext_tokens = control.cap_load(ext_tokens, B)
         if ext_tokens <= 0 or ext_tokens < self.cfg.connector.min_hit_tokens:
             ext, ext_tokens = 0, 0
-        ext = min(ext, -(-ext_tokens // B))
+        ext = min(ext + (tail is not None), -(-ext_tokens // B))
+        if local + ext <= len(ids):
+            self._tail_loads.pop(request.request_id, None)  # capped: the tail stays out
         self._lookups[request.request_id] = (local, ext)
         if ext_tokens:
             logger.debug(
@@ -277,6 +319,27 @@ class UCMSchedulerSide:
                 ext_tokens,
             )
         return ext_tokens, False
+
+    def _handed_over(self, request: Request, ids: list[bytes]) -> list[bytes] | None:
+        """Decode engine: this engine's keys of the blocks a prefill engine
+        handed over for the request (a partial last block's key last), or None."""
+        handover = Handover.of(request, self.block_size)
+        if handover is None:
+            return None
+        keys = handover.expected_keys(
+            ids,
+            request.prompt_token_ids or [],
+            self.hash_namespace(request) or "",
+            self.block_size,
+        )
+        if keys is None:
+            logger.warning(
+                "request %s: the prefill engine's blocks are not this engine's (another "
+                "model, hash_salt, hash_algo or block size?); computing the prompt here",
+                request.request_id,
+            )
+            self.stats.add(handover_mismatches=1)
+        return keys
 
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
@@ -301,6 +364,11 @@ class UCMSchedulerSide:
             save_limit=len(ids) if save else 0,
             saved_upto=local_blocks + ext_blocks,
         )
+        tail = self._tail_loads.pop(req_id, None)
+        if tail is not None and local_blocks + ext_blocks == len(ids) + 1:
+            st.keys = [*ids, tail]
+        if save and wants_handover(request):
+            self._plan_handover(request, st)
         if ext_blocks:
             st.pending_load = (local_blocks, local_blocks + ext_blocks)
             if self.cfg.connector.prefetch:
@@ -322,10 +390,24 @@ class UCMSchedulerSide:
                     self.store.report_failure(e, "lookup")
         if self.extension.after_alloc(req_id, num_external_tokens):
             st.save_limit, st.saved_upto, st.save_extra = 0, 0, []
+            st.handover_at, st.tail = 0, None
         self._reqs[req_id] = st
         looked = request.num_tokens - local_blocks * B
         if looked > 0:
             self.stats.add(lookup_tokens=looked, lookup_hit_tokens=num_external_tokens)
+
+    def _plan_handover(self, request: Request, st: _ReqState) -> None:
+        """Prefill engine: the request's whole prompt is handed over, its
+        partial last block under a key of its own."""
+        B = self.block_size
+        prompt = request.num_prompt_tokens
+        full = prompt // B
+        if full > len(st.keys):
+            return
+        st.handover_at = prompt
+        if prompt % B:
+            parent = st.keys[full - 1] if full else (self.hash_namespace(request) or "").encode()
+            st.tail = tail_key(parent, (request.prompt_token_ids or [])[full * B : prompt])
 
     # -- per-step plan -----------------------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -353,7 +435,8 @@ class UCMSchedulerSide:
         if upto > st.saved_upto:
             save_idx.extend(range(st.saved_upto, upto))
         payload = self.extension.has_payload(req_id)
-        if load is None and not save_idx and not payload:
+        handover = 0 < st.handover_at <= computed + scheduled and not st.handover_planned
+        if load is None and not save_idx and not payload and not handover:
             return None
         vblocks = self._vllm_blocks(req_id, fallback)
         if vblocks is None:
@@ -374,6 +457,16 @@ class UCMSchedulerSide:
             t.save_from = [vblocks[i] for i in save_idx]
             self._reqs_with_saves.add(req_id)
             self._saving.add(t.save_keys)
+        if handover:
+            # The prompt is complete after this step: its workers wait for
+            # the request's saves, so the response names readable blocks.
+            t.handover = True
+            st.handover_planned = True
+            tail_block = st.handover_at // B
+            if st.tail is not None and tail_block < len(vblocks):
+                t.save_keys.append(st.tail)
+                t.save_from.append(vblocks[tail_block])
+                self._reqs_with_saves.add(req_id)
         st.save_extra = []
         st.saved_upto = max(st.saved_upto, upto)
         return t
@@ -413,6 +506,8 @@ class UCMSchedulerSide:
             self._reqs.pop(req_id, None)
             self._hashes.pop(req_id, None)
             self._lookups.pop(req_id, None)
+            self._tail_loads.pop(req_id, None)
+            self._waits.forget(req_id)
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -443,15 +538,22 @@ class UCMSchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         req_id = request.request_id
         self.extension.forget(req_id)
-        self._reqs.pop(req_id, None)
+        st = self._reqs.pop(req_id, None)
         self._hashes.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._tail_loads.pop(req_id, None)
+        self._waits.forget(req_id)
+        params = None
+        if st is not None and st.handover_planned:
+            full = st.handover_at // self.block_size
+            last = st.tail if st.tail is not None else st.keys[full - 1]
+            params = Handover(full, st.handover_at % self.block_size, last).params()
         if req_id in self._reqs_with_saves:
             self._reqs_with_saves.discard(req_id)
             # Saves may still be reading these blocks: free them when every
             # worker reports the request in get_finished().
-            return True, None
-        return False, None
+            return True, params
+        return False, params
 
     def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
         data = self.stats.take()
@@ -465,6 +567,33 @@ class UCMSchedulerSide:
 
     def shutdown(self) -> None:
         self.store.close()
+
+
+class HandoverWaits:
+    """Decode engine: since when each request waits for handed-over blocks,
+    and which requests waited in vain (they compute what is missing)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._since: dict[str, float] = {}
+        self._gave_up: set[str] = set()
+
+    def wait(self, req_id: str) -> bool | None:
+        """True: wait on (ask again later); False: the wait timed out now;
+        None: it timed out before."""
+        if req_id in self._gave_up:
+            return None
+        now = time.monotonic()
+        since = self._since.setdefault(req_id, now)
+        if now - since < self.timeout_s:
+            return True
+        self._since.pop(req_id, None)
+        self._gave_up.add(req_id)
+        return False
+
+    def forget(self, req_id: str) -> None:
+        self._since.pop(req_id, None)
+        self._gave_up.discard(req_id)
 
 
 class RecentSaves:
@@ -497,4 +626,11 @@ class RecentSaves:
         return n
 
 
-__all__ = ["KVGeometry", "RecentSaves", "SchedulerExtension", "UCMSchedulerSide", "kv_geometry"]
+__all__ = [
+    "HandoverWaits",
+    "KVGeometry",
+    "RecentSaves",
+    "SchedulerExtension",
+    "UCMSchedulerSide",
+    "kv_geometry",
+]

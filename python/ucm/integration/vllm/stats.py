@@ -77,7 +77,13 @@ class UCMKVConnectorStats(KVConnectorStats):
         for k in ("lookup_tokens", "lookup_hit_tokens", "load_blocks", "save_blocks"):
             if d.get(k):
                 out[k] = d[k]
-        for k in ("load_failed_blocks", "save_failed_blocks", "save_skipped_blocks"):
+        for k in (
+            "load_failed_blocks",
+            "save_failed_blocks",
+            "save_skipped_blocks",
+            "handover_timeouts",
+            "handover_mismatches",
+        ):
             if d.get(k):
                 out[k] = d[k]
         for k, v in ucm_metrics.derived_gauges(d).items():

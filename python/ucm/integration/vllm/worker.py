@@ -137,6 +137,7 @@ class UCMWorkerSide:
         self._load_failed_reqs: set[int] = set()
         # Save state.
         self._save_plan: list[tuple[str, list[bytes], list[int]]] = []
+        self._handover_reqs: set[str] = set()
         self.saves = SaveTracker(self._save_done)
         self._io_lock = threading.Lock()
         self._io_inflight: dict[str, int] = {"load": 0, "save": 0}
@@ -212,6 +213,7 @@ class UCMWorkerSide:
         self._meta = meta
         self._save_plan = []
         self._load_reqs = []
+        self._handover_reqs = {t.req_id for t in meta.requests if t.handover}
         for t in meta.requests:
             if t.save_keys:
                 self.saves.expect(t.req_id)
@@ -452,9 +454,20 @@ class UCMWorkerSide:
         # land in memory later.
         if self._loads_by_layer or (self.layerwise and self._load_reqs):
             self._drain_loads()
-        if self.layerwise or not self._save_plan or self.layout is None:
-            return
-        self._submit_saves(list(range(len(self.layout.layers))), final=True)
+        if not self.layerwise and self._save_plan and self.layout is not None:
+            self._submit_saves(list(range(len(self.layout.layers))), final=True)
+        if self._handover_reqs:
+            # P/D prefill engine: vLLM answers these requests right after this
+            # step, and the answer tells the decode engine the blocks are there.
+            timeout = self.cfg.connector.handover_timeout_s
+            if not self.wait_for_saves(self._handover_reqs, timeout):
+                logger.warning(
+                    "UCM: the saves of %d handed-over request(s) took over %.1f s; "
+                    "answering anyway (the decode engine waits for them too)",
+                    len(self._handover_reqs),
+                    timeout,
+                )
+            self._handover_reqs = set()
 
     def _submit_saves(self, layer_pos: list[int], final: bool) -> None:
         assert self.transfer is not None and self.layout is not None and self.store is not None

@@ -1,0 +1,154 @@
+"""Prefill/decode handover between two connectors over one real store, without vLLM
+engines: the prefill side's answer, the decode side's bounded wait, and bad
+``kv_transfer_params``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_vllm_connector_unit import BS, FakeRequest, H, L, Side, sched_output, tokens
+
+from ucm.integration.vllm.handover import Handover
+
+
+@dataclass
+class PDRequest(FakeRequest):
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.tokens
+
+
+def run_worker(side: Side, meta: Any) -> None:
+    """The worker half of one engine step (vLLM's model runner)."""
+    w = side.worker
+    w.bind(meta)
+    w.start_load_kv()
+    for i in range(L):
+        name = f"model.layers.{i}.self_attn.attn"
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name)
+    w.wait_for_save()
+    w.clear()
+
+
+def prefill(side: Side, req_id: str, toks: list[int], blocks: list[int]) -> tuple[Any, Any]:
+    """Plans the prefill of a handover request; returns its step's plan and
+    the answer's ``kv_transfer_params`` (the worker has not run yet)."""
+    req = PDRequest(req_id, toks, kv_transfer_params={"do_remote_decode": True})
+    assert side.admit(req, blocks) == 0
+    for b in blocks:
+        side.kv[:, b] = torch.randn(L, H, BS, side.kv.shape[-1])
+    meta = side.sched.build_connector_meta(sched_output(new=[(req_id, 0, len(toks))]))
+    _, params = side.sched.request_finished(req, blocks)
+    return meta, params
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layer-wise"])
+def test_decode_waits_for_the_handed_over_prompt_and_loads_all_of_it(
+    tmp_path: Path, layerwise: bool
+) -> None:
+    p = Side(tmp_path, use_layerwise=layerwise)
+    d = Side(tmp_path, use_layerwise=not layerwise)
+    toks = tokens(3 * BS + 5, 11)
+    meta, params = prefill(p, "p1", toks, [4, 7, 2, 9])
+    (t,) = meta.requests
+    assert t.handover and t.save_from == [4, 7, 2, 9]  # the partial last block too
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["ucm_blocks"] == 3 and params["ucm_tail_tokens"] == 5
+
+    req = PDRequest("d1", list(toks), kv_transfer_params=dict(params))
+    # The prefill engine's saves are not done: ask again later, don't compute.
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    run_worker(p, meta)
+    assert p.worker.saves.pending("p1") == 0  # the step ended after its saves
+    assert d.admit(req, [1, 3, 5, 6]) == len(toks) - 1  # all but the last token
+    meta, _ = d.step(sched_output(new=[("d1", len(toks) - 1, 1)]))
+    assert meta.requests[0].load_into == [1, 3, 5, 6]
+    for src, dst in zip([4, 7, 2, 9], [1, 3, 5, 6], strict=True):
+        assert torch.equal(d.kv[:, dst], p.kv[:, src])
+    p.close()
+    d.close()
+
+
+def test_a_short_prompt_is_handed_over_as_one_partial_block(tmp_path: Path) -> None:
+    p = Side(tmp_path)
+    toks = tokens(BS - 4, 12)
+    meta, params = prefill(p, "p1", toks, [3])
+    run_worker(p, meta)
+    assert (params["ucm_blocks"], params["ucm_tail_tokens"]) == (0, BS - 4)
+    d = Side(tmp_path)
+    req = PDRequest("d1", list(toks), kv_transfer_params=params)
+    assert d.admit(req, [8]) == BS - 5
+    d.step(sched_output(new=[("d1", BS - 5, 1)]))
+    assert torch.equal(d.kv[:, 8], p.kv[:, 3])
+    p.close()
+    d.close()
+
+
+def test_the_wait_is_bounded_and_counted(tmp_path: Path) -> None:
+    p = Side(tmp_path)
+    toks = tokens(2 * BS + 3, 13)
+    _, params = prefill(p, "p1", toks, [0, 1, 2])  # its worker never runs
+    d = Side(tmp_path, handover_timeout_s=0.2)
+    req = PDRequest("d1", list(toks), kv_transfer_params=params)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.25)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed here
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # no second wait
+    stats = d.sched.get_kv_connector_stats()
+    assert stats is not None and stats.data["handover_timeouts"] == 1
+    p.close()
+    d.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ucm_blocks": "3"},
+        {"ucm_blocks": True},
+        {"ucm_blocks": -1},
+        {"ucm_blocks": 10**30},
+        {"ucm_tail_tokens": BS},
+        {"ucm_tail_tokens": [1] * 100_000},
+        {"ucm_last_block": "zz" * 16},
+        {"ucm_last_block": None},
+        {"ucm_last_block": ["00" * 16] * 100_000},
+        {"ucm_last_block": "00" * 16},  # well formed, but not this prompt's
+    ],
+    ids=lambda b: next(iter(b)) + "=" + type(next(iter(b.values()))).__name__,
+)
+def test_bad_handover_params_are_ignored_not_waited_for(
+    tmp_path: Path, bad: dict[str, Any]
+) -> None:
+    p = Side(tmp_path)
+    toks = tokens(2 * BS + 3, 14)
+    meta, params = prefill(p, "p1", toks, [0, 1, 2])
+    run_worker(p, meta)
+    d = Side(tmp_path, handover_timeout_s=600)
+    req = PDRequest("d1", list(toks), kv_transfer_params={**params, **bad})
+    t0 = time.monotonic()
+    # Served as a plain request: the full blocks are found by the prefix lookup.
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    assert time.monotonic() - t0 < 60
+    p.close()
+    d.close()
+
+
+def test_handover_params_round_trip() -> None:
+    h = Handover(blocks=2, tail_tokens=3, last_block=bytes(range(16)))
+    req = PDRequest("r", tokens(2 * BS + 3, 1), kv_transfer_params=h.params())
+    assert Handover.of(req, BS) == h
+    # Another connector's P/D fields are not ours: no handover.
+    nixl = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
+    assert Handover.of(PDRequest("r", [1, 2], kv_transfer_params=nixl), BS) is None

@@ -1,0 +1,308 @@
+"""A router for prefill/decode disaggregation (``ucm proxy``).
+
+Clients talk to it as to one vLLM OpenAI server (``/v1/completions`` and
+``/v1/chat/completions``, streaming or not). For each request it
+
+1. sends the prompt to a prefill engine (round robin over the healthy ones)
+   with ``max_tokens=1``, no streaming, and vLLM's P/D field
+   ``kv_transfer_params: {"do_remote_decode": true}``; the engine answers
+   once the prompt's KV is in the shared store, with ``kv_transfer_params``
+   naming those blocks (:mod:`.handover`);
+2. sends the original request, with those ``kv_transfer_params``, to a
+   decode engine, and passes its answer (status, body, stream) back as is.
+
+The shape is vLLM's own disaggregated-serving proxies'. Errors of an engine
+(4xx, 5xx) are passed through with their status. A prefill engine that
+cannot be reached (down, killed mid-request, slower than
+``prefill_timeout_s``) is not an error: the request goes to a decode engine
+without a handover and is computed there (logged, and marked by the
+response header ``x-ucm-prefill: skipped``). Background health checks (``/health``)
+keep engines that are down out of the rotation. Built on aiohttp (server
+and client), which vLLM already depends on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from ucm.shared.logging import get_logger
+
+logger = get_logger(__name__)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Options the prefill step must not carry: it makes one token, not a stream.
+_PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
+# Hop-by-hop and length headers aiohttp sets itself on the way back.
+_SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+
+
+@dataclass
+class ProxyConfig:
+    """What ``ucm proxy`` serves and where it routes."""
+
+    prefill: list[str]
+    decode: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    health_interval_s: float = 5.0
+    prefill_timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            urls = [u.rstrip("/") for u in getattr(self, name)]
+            if not urls:
+                raise ValueError(f"{name}: at least one engine URL is needed")
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise ValueError(f"{name}: {u!r} is not an http(s):// URL")
+            setattr(self, name, urls)
+        if self.health_interval_s <= 0 or self.prefill_timeout_s <= 0:
+            raise ValueError("health_interval_s and prefill_timeout_s must be positive")
+
+
+@dataclass
+class Pool:
+    """Engines of one role, taken in turn; those failing health checks are skipped."""
+
+    role: str
+    urls: list[str]
+    healthy: dict[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.healthy = dict.fromkeys(self.urls, True)
+        self._turn = itertools.count()
+
+    def order(self) -> list[str]:
+        """Every engine, the next one in turn first and the healthy ones before the rest."""
+        start = next(self._turn) % len(self.urls)
+        turn = self.urls[start:] + self.urls[:start]
+        return [u for u in turn if self.healthy[u]] + [u for u in turn if not self.healthy[u]]
+
+
+class _Unreachable(Exception):
+    """No engine of a pool answered."""
+
+
+class PDProxy:
+    """The aiohttp application routing each request to a prefill, then a decode engine."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefill = Pool("prefill", config.prefill)
+        self.decode = Pool("decode", config.decode)
+        self.fallbacks = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._health: asyncio.Task[None] | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def _start(self, _app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        )
+        self._health = asyncio.create_task(self._health_loop())
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+        if self._session is not None:
+            await self._session.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(
+                *(self._check(p, u) for p in (self.prefill, self.decode) for u in p.urls)
+            )
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _check(self, pool: Pool, url: str) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                url + "/health", timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
+                ok = r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok != pool.healthy[url]:
+            logger.warning("%s engine %s is %s", pool.role, url, "up" if ok else "down")
+        pool.healthy[url] = ok
+
+    # -- routes ------------------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        status = {
+            pool.role: {u: pool.healthy[u] for u in pool.urls}
+            for pool in (self.prefill, self.decode)
+        }
+        ok = all(any(p.healthy.values()) for p in (self.prefill, self.decode))
+        return web.json_response(status, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._forward(self.decode, request, "GET", None)
+        except _Unreachable as e:
+            return _error(502, str(e))
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        user_params = body.get("kv_transfer_params")
+        if user_params is not None and not isinstance(user_params, dict):
+            return _error(400, "kv_transfer_params must be an object")
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        prefill = await self._prefill(request, body, request_id)
+        if isinstance(prefill, web.Response):
+            return prefill  # the prefill engine's error, passed through
+        decode_body = dict(body)
+        if prefill is not None:
+            decode_body["kv_transfer_params"] = {**(user_params or {}), **prefill}
+        extra = {"x-ucm-prefill": "skipped"} if prefill is None else {}
+        try:
+            return await self._forward(self.decode, request, "POST", decode_body, request_id, extra)
+        except _Unreachable as e:
+            return _error(502, str(e))
+
+    async def _prefill(
+        self, request: web.Request, body: dict[str, Any], request_id: str
+    ) -> dict[str, Any] | web.Response | None:
+        """The prefill engine's ``kv_transfer_params`` (None: no handover, the
+        decode engine computes the prompt), or its error response."""
+        assert self._session is not None
+        pbody = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+        pbody["kv_transfer_params"] = {
+            **(body.get("kv_transfer_params") or {}),
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+        }
+        pbody["stream"] = False
+        pbody["max_tokens"] = 1
+        if "max_completion_tokens" in pbody:
+            pbody["max_completion_tokens"] = 1
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s
+        )
+        for url in self.prefill.order():
+            try:
+                async with self._session.post(
+                    url + request.path,
+                    json=pbody,
+                    headers=_headers(request, request_id),
+                    timeout=timeout,
+                ) as r:
+                    data = await r.read()
+                    if r.status != 200:
+                        return web.Response(status=r.status, body=data, content_type=r.content_type)
+                    params = json.loads(data).get("kv_transfer_params")
+                    return params if isinstance(params, dict) else None
+            except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
+                self.prefill.healthy[url] = False
+                logger.warning("prefill engine %s failed (%s); trying another", url, _why(e))
+        self.fallbacks += 1
+        logger.warning(
+            "request %s: no prefill engine answered; the decode engine computes the prompt",
+            request_id,
+        )
+        return None
+
+    async def _forward(
+        self,
+        pool: Pool,
+        request: web.Request,
+        method: str,
+        body: dict[str, Any] | None,
+        request_id: str | None = None,
+        extra_headers: dict[str, str] | None = None,
+    ) -> web.StreamResponse:
+        """The request on the first engine of ``pool`` that answers; its
+        answer (status, headers, body or stream) passed back as it comes."""
+        assert self._session is not None
+        errors = []
+        for url in pool.order():
+            try:
+                upstream = await self._session.request(
+                    method,
+                    url + request.path,
+                    json=body,
+                    headers=_headers(request, request_id),
+                )
+            except (TimeoutError, aiohttp.ClientError) as e:
+                pool.healthy[url] = False
+                errors.append(f"{url}: {_why(e)}")
+                continue
+            async with upstream:
+                resp = web.StreamResponse(status=upstream.status)
+                for k, v in upstream.headers.items():
+                    if k.lower() not in _SKIP_HEADERS:
+                        resp.headers[k] = v
+                resp.headers.update(extra_headers or {})
+                await resp.prepare(request)
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        await resp.write(chunk)
+                except (TimeoutError, aiohttp.ClientError) as e:
+                    # Headers are gone already: all that is left is to end the stream.
+                    logger.warning("%s engine %s failed mid-answer: %s", pool.role, url, _why(e))
+                    pool.healthy[url] = False
+                await resp.write_eof()
+                return resp
+        raise _Unreachable(f"no {pool.role} engine answered ({'; '.join(errors)})")
+
+
+def _headers(request: web.Request, request_id: str | None) -> dict[str, str]:
+    out = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    if request_id is not None:
+        out["X-Request-Id"] = request_id
+    return out
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _error(status: int, message: str) -> web.Response:
+    """An error in the OpenAI API's shape."""
+    return web.json_response(
+        {"error": {"message": message, "type": "ucm_proxy_error", "code": status}}, status=status
+    )
+
+
+def run(config: ProxyConfig) -> None:
+    """Serves until interrupted."""
+    proxy = PDProxy(config)
+    logger.info(
+        "ucm proxy on http://%s:%d: prefill %s, decode %s",
+        config.host,
+        config.port,
+        ", ".join(config.prefill),
+        ", ".join(config.decode),
+    )
+    web.run_app(proxy.app(), host=config.host, port=config.port, print=None)
+
+
+__all__ = ["PDProxy", "Pool", "ProxyConfig", "run"]
