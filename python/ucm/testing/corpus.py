@@ -234,6 +234,28 @@ _SURNAMES = (
 ).split(", ")
 
 
+_LANDMARK_PROSE = (
+    "Its walls have weathered well over the years.",
+    "Visitors often stop to admire the view from its steps.",
+    "The building is especially beautiful in the evening light.",
+    "A small garden with old trees surrounds it.",
+    "Its roof was replaced after a long and careful repair.",
+    "Guided walks pass by it several times a week.",
+    "Local painters like to sketch it from across the road.",
+    "Its doors are open to visitors on most afternoons.",
+    "A narrow path leads from the main street to its entrance.",
+    "Birds nest under its eaves every spring.",
+    "Its windows are tall and let in plenty of light.",
+    "Schoolchildren visit it to learn about the region's past.",
+)
+
+
+def landmark_sentences(rng: random.Random, n: int) -> list[str]:
+    """``n`` sentences about a landmark that name no person, town or year, so
+    that they never compete with a record's facts."""
+    return [rng.choice(_LANDMARK_PROSE) for _ in range(n)]
+
+
 @dataclass
 class Record:
     """One RAG document: an invented landmark and its facts."""
@@ -255,11 +277,19 @@ _RECORD_STYLE = (
 )
 
 
-def make_records(rng: random.Random, n: int) -> list[Record]:
-    """``n`` records with distinct names, towns, builders and keepers."""
+def make_records(rng: random.Random, n: int, keeper_only: bool = False) -> list[Record]:
+    """``n`` records with distinct names, towns, builders and keepers.
+
+    ``keeper_only``: each document states one fact, who looks after the
+    landmark, and no two documents share a keeper (``n`` <= 27): the easiest
+    form of the task, for a model as small as SmolLM2-135M."""
     names = rng.sample([f"the {s} {k}" for s in _SURNAMES for k in _LANDMARKS], n)
     towns = [TOWNS[i % len(TOWNS)] for i in rng.sample(range(len(TOWNS)), min(n, len(TOWNS)))]
+    if keeper_only and n > len(PEOPLE):
+        raise ValueError(f"at most {len(PEOPLE)} records with distinct keepers")
     people = rng.sample(PEOPLE, min(len(PEOPLE), 2 * n))
+    if keeper_only:
+        people = [p for pair in zip(people, people, strict=True) for p in pair]
     out = []
     for i in range(n):
         r = Record(
@@ -270,7 +300,12 @@ def make_records(rng: random.Random, n: int) -> list[Record]:
             material=rng.choice(_MATERIALS),
             keeper=people[(2 * i + 1) % len(people)],
         )
-        extra = " ".join(filler_sentences(rng, 3))
+        extra = " ".join(landmark_sentences(rng, 2))
+        if keeper_only:
+            r.text = f"Document about {r.name}:\n{r.name[0].upper()}{r.name[1:]} is looked "
+            r.text += f"after by {r.keeper}. {extra}"
+            out.append(r)
+            continue
         style = rng.choice(_RECORD_STYLE)
         body = style.format(
             name=r.name[0].upper() + r.name[1:] if style.startswith("{name}") else r.name,
@@ -294,9 +329,12 @@ _QUESTIONS = (
 )
 
 
-def record_question(rng: random.Random, r: Record) -> tuple[str, str, str]:
-    """(question, answer prefix, expected answer) about one record."""
-    field_, q, prefix = rng.choice(_QUESTIONS)
+def record_question(
+    rng: random.Random, r: Record, fields: tuple[str, ...] | None = None
+) -> tuple[str, str, str]:
+    """(question, answer prefix, expected answer) about one record, asking
+    one of ``fields`` (default: any)."""
+    field_, q, prefix = rng.choice([x for x in _QUESTIONS if fields is None or x[0] in fields])
     p = prefix.format(name=r.name)
     return q.format(name=r.name), p[0].upper() + p[1:], str(getattr(r, field_))
 
@@ -325,10 +363,12 @@ def rag_prompt(
     target: Record,
     rng: random.Random,
     chunk_tokens: list[list[int]] | None = None,
+    fields: tuple[str, ...] | None = None,
 ) -> RagPrompt:
     """Instructions, every document (each tokenized alone, so a document has
     the same tokens wherever it sits; ``chunk_tokens`` gives them ready-made)
-    and a question about ``target`` with the start of its answer."""
+    and a question about ``target`` (one of ``fields``) with the start of its
+    answer."""
     chat = ChatPrompt(tokenizer)
     tokens = chat.user_start() + chat.ids(RAG_INSTRUCTIONS.rstrip(" "))
     spans = []
@@ -336,7 +376,7 @@ def rag_prompt(
         ids = chunk_tokens[i] if chunk_tokens is not None else document_tokens(tokenizer, d)
         spans.append((len(tokens), len(tokens) + len(ids)))
         tokens += ids
-    question, prefix, expected = record_question(rng, target)
+    question, prefix, expected = record_question(rng, target, fields)
     tokens += chat.ids("Question: " + question) + chat.user_end(prefix)
     return RagPrompt(tokens, spans, question, prefix, expected)
 
@@ -344,6 +384,20 @@ def rag_prompt(
 def document_tokens(tokenizer: Any, doc: Record) -> list[int]:
     """One document's tokens as it appears in a RAG prompt."""
     return ChatPrompt(tokenizer).ids(doc.text + "\n\n")
+
+
+def record_facts(records: list[Record]) -> list[str]:
+    """Every fact a question about these records can have as its answer."""
+    return sorted({str(getattr(r, f)) for r in records for f, _, _ in _QUESTIONS})
+
+
+def first_fact_is(text: str, expected: str, facts: list[str]) -> bool:
+    """Whether, of all ``facts``, the answer names ``expected`` first (case
+    ignored): "the current keeper, Tara Wells." answers "Tara Wells", and an
+    answer that names another record's fact first is wrong."""
+    low = text.lower()
+    found = [(low.find(f.lower()), -len(f), f) for f in facts if f.lower() in low]
+    return bool(found) and min(found)[2] == expected
 
 
 def answer_matches(text: str, expected: str) -> bool:
@@ -367,8 +421,11 @@ __all__ = [
     "answer_matches",
     "document_tokens",
     "filler_sentences",
+    "first_fact_is",
+    "landmark_sentences",
     "make_haystack",
     "make_records",
     "rag_prompt",
+    "record_facts",
     "record_question",
 ]
