@@ -24,7 +24,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.remote_helpers import (
+    CACHE_KEYS,
+    SHARD,
+    SHARDS,
+    bid,
+    block_data,
+    dump,
+    load,
+    ride_out_an_outage,
+    wait_until_found,
+)
 from support.servers import NfsServer
 
 from ucm.shared.config import ConfigError
@@ -182,29 +192,7 @@ def test_server_stopped_mid_run_under_a_cache(nfs: NfsServer) -> None:
     store = open_store(nfs, cfg)
     root = nfs.export / "outage"
     try:
-        dump(store, [1])
-        store.flush()
-        nfs.stop_ganesha()
-        started = time.monotonic()
-        dump(store, [2, 3])  # accepted by the cache
-        with pytest.raises(UcmStoreError):
-            store.flush()
-        assert store.get_stats()["dirty_blocks"] == 2
-        with pytest.raises(UcmStoreError):
-            load(store, [4])  # only the server could have it: recompute
-        assert store.lookup([bid(4)]) == [False]
-        assert np.array_equal(load(store, [2])[2], block_data(2))
-        assert time.monotonic() - started < 15
-        nfs.start_ganesha()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                store.flush()
-                break
-            except UcmStoreError:
-                assert time.monotonic() < deadline, "write-back never recovered"
-                time.sleep(0.3)
-        assert store.get_stats()["dirty_blocks"] == 0
+        ride_out_an_outage(store, nfs.stop_ganesha, nfs.start_ganesha)
         for n in (1, 2, 3):
             assert block_file(root, n).exists()
     finally:
@@ -236,10 +224,7 @@ def test_slow_server_timeouts_are_honoured(nfs: NfsServer) -> None:
             assert store.lookup([bid(1)]) == [False]
         finally:
             nfs.resume()
-        deadline = time.monotonic() + 10
-        while store.lookup([bid(1)]) != [True]:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until_found(store, 1)
         assert np.array_equal(load(store, [1])[1], block_data(1))
     finally:
         store.close()

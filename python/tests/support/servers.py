@@ -122,6 +122,15 @@ class MotoServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def store_keys(self, bucket: str, prefix: str) -> dict[str, str]:
+        """The config keys of an S3 store at ``s3://bucket/prefix`` on this server."""
+        return {
+            "storage_backends": f"s3://{bucket}/{prefix}",
+            "s3_endpoint": self.endpoint,
+            "s3_access_key": self.access_key,
+            "s3_secret_key": self.secret_key,
+        }
+
     def start(self) -> None:
         env = dict(os.environ)
         if self.auth:
