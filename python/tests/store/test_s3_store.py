@@ -24,17 +24,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.remote_helpers import (
-    CACHE_KEYS,
-    SHARD,
-    SHARDS,
-    bid,
-    block_data,
-    dump,
-    load,
-    ride_out_an_outage,
-    wait_until_found,
-)
+from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.remote_scenarios import ride_out_an_outage, wait_until_found
 from support.servers import DelayProxy, MotoServer, free_port
 
 from ucm.shared.config import ConfigError
