@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
-from support.remote_scenarios import ride_out_an_outage, wait_until_found
+from support.remote_scenarios import ride_out_an_outage, round_trip, wait_until_found
 from support.servers import NfsServer
 
 from ucm.shared.config import ConfigError
@@ -70,14 +70,7 @@ def temporaries(root: Path) -> list[Path]:
 
 
 def check_round_trip(store: UcmKVStoreBase, root: Path) -> None:
-    assert store.lookup([bid(1), bid(2)]) == [False, False]
-    dump(store, [1, 2, 3])
-    store.flush()
-    assert store.lookup([bid(1), bid(9), bid(3)]) == [True, False, True]
-    assert store.lookup_on_prefix([bid(1), bid(2), bid(9), bid(3)]) == 1
-    got = load(store, [1, 2, 3])
-    for n in (1, 2, 3):
-        assert np.array_equal(got[n], block_data(n))
+    round_trip(store)
     raw = block_file(root, 1).read_bytes()
     assert len(raw) == SHARDS * (4096 + SHARD) and raw[:8] == b"UCMKVBLK"
     # layer-wise: one task per shard, out of order; the file appears whole

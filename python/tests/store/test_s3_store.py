@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
-from support.remote_scenarios import ride_out_an_outage, wait_until_found
+from support.remote_scenarios import ride_out_an_outage, round_trip, wait_until_found
 from support.servers import DelayProxy, MotoServer, free_port
 
 from ucm.shared.config import ConfigError
@@ -68,14 +68,7 @@ def test_round_trip_lookup_and_layer_wise(moto: MotoServer, pipeline: str) -> No
     bucket = moto.create_bucket()
     store = open_store(s3_config(moto, bucket, store_pipeline=pipeline))
     try:
-        assert store.lookup([bid(1), bid(2)]) == [False, False]
-        dump(store, [1, 2, 3])
-        store.flush()
-        assert store.lookup([bid(1), bid(9), bid(3)]) == [True, False, True]
-        assert store.lookup_on_prefix([bid(1), bid(2), bid(9), bid(3)]) == 1
-        got = load(store, [1, 2, 3])
-        for n in (1, 2, 3):
-            assert np.array_equal(got[n], block_data(n))
+        round_trip(store)
         # layer-wise: one task per shard, out of order; the object appears whole
         for s in (3, 0, 2):
             dump(store, [7], range(s, s + 1))

@@ -13,6 +13,19 @@ from support.remote_helpers import bid, block_data, dump, load
 from ucm.store import UcmKVStoreBase, UcmStoreError
 
 
+def round_trip(store: UcmKVStoreBase) -> None:
+    """Blocks 1 to 3, absent at first, dumped, found (by lookup and by
+    prefix) and loaded back whole."""
+    assert store.lookup([bid(1), bid(2)]) == [False, False]
+    dump(store, [1, 2, 3])
+    store.flush()
+    assert store.lookup([bid(1), bid(9), bid(3)]) == [True, False, True]
+    assert store.lookup_on_prefix([bid(1), bid(2), bid(9), bid(3)]) == 1
+    got = load(store, [1, 2, 3])
+    for n in (1, 2, 3):
+        assert np.array_equal(got[n], block_data(n))
+
+
 def ride_out_an_outage(
     store: UcmKVStoreBase, stop: Callable[[], None], restart: Callable[[], None]
 ) -> None:
