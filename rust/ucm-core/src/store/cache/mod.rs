@@ -84,6 +84,7 @@ use super::{Store, StoreDebug, StoreFacts, StoreStats};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
+use crate::store::format::codec::check_shards;
 use crate::task::{Task, TaskId, TaskRegistry, WorkerPool};
 
 /// Shards classified per table-lock acquisition, so one huge task does not
@@ -305,27 +306,7 @@ impl CacheStore {
                 "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
             ));
         }
-        let cfg = &self.inner.cfg;
-        for (i, s) in shards.iter().enumerate() {
-            if s.index >= self.inner.shard_count {
-                return Err(UcmError::invalid(format!(
-                    "shard_index[{i}] = {} is out of range: blocks have {} shard(s)",
-                    s.index, self.inner.shard_count
-                )));
-            }
-            if s.len() != cfg.shard_size {
-                return Err(UcmError::invalid(format!(
-                    "shard {i} (block {}): tensors sum to {} bytes, expected shard_size {}",
-                    s.block,
-                    s.len(),
-                    cfg.shard_size
-                )));
-            }
-            if s.segs.iter().any(|g| g.addr == 0) {
-                return Err(UcmError::invalid(format!("shard {i}: null memory address")));
-            }
-        }
-        Ok(())
+        check_shards(self.inner.shard_count, self.inner.cfg.shard_size, shards)
     }
 }
 

@@ -169,7 +169,8 @@ impl PosixStore {
                 "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
             ));
         }
-        crate::store::format::codec::check_shards(&self.shared.layout, shards)
+        let layout = &self.shared.layout;
+        crate::store::format::codec::check_shards(layout.shard_count, layout.shard_size, shards)
     }
 
     fn submit(&self, kind: &'static str, shards: Vec<ShardIo>) -> Result<TaskId> {
