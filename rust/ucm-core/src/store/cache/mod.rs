@@ -418,6 +418,17 @@ impl Inner {
         }
     }
 
+    /// `items` (one a shard) cut into copy jobs of about [`COPY_JOB_BYTES`].
+    fn copy_jobs<T>(&self, mut items: Vec<T>) -> Vec<Vec<T>> {
+        let per_job = (COPY_JOB_BYTES / self.cfg.shard_size.max(1)).max(1);
+        let mut jobs = Vec::with_capacity(items.len().div_ceil(per_job));
+        while !items.is_empty() {
+            let rest = items.split_off(items.len().min(per_job));
+            jobs.push(std::mem::replace(&mut items, rest));
+        }
+        jobs
+    }
+
     /// When a wait for the backend on behalf of `ctx` gives up.
     fn deadline(&self, ctx: &TaskCtx) -> Instant {
         ctx.task
