@@ -83,10 +83,7 @@ def bench_s3(args: argparse.Namespace, shard: int) -> None:
         bucket = server.create_bucket()
         cfg = {
             "store_pipeline": "S3",
-            "storage_backends": f"s3://{bucket}/bench",
-            "s3_endpoint": server.endpoint,
-            "s3_access_key": server.access_key,
-            "s3_secret_key": server.secret_key,
+            **server.store_keys(bucket, "bench"),
             "block_size": shard * SHARDS,
             "shard_size": shard,
             "s3_max_concurrency": args.concurrency,

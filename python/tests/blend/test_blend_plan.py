@@ -51,12 +51,8 @@ class SetStore:
         return [i in self.ids for i in ids]
 
     def lookup_on_prefix(self, ids):
-        last = -1
-        for j, i in enumerate(ids):
-            if i not in self.ids:
-                break
-            last = j
-        return last
+        hits = self.lookup(ids)
+        return hits.index(False) - 1 if False in hits else len(hits) - 1
 
 
 # --------------------------------------------------------------------------- config

@@ -46,13 +46,7 @@ def run(*args: str) -> tuple[int, str]:
 
 def test_s3_info_ls_verify_gc_clear(moto: MotoServer, tmp_path: Path) -> None:
     bucket = moto.create_bucket()
-    cfg = {
-        "store_pipeline": "Cache|S3",
-        "storage_backends": f"s3://{bucket}/kv",
-        "s3_endpoint": moto.endpoint,
-        "s3_access_key": moto.access_key,
-        "s3_secret_key": moto.secret_key,
-    }
+    cfg = {"store_pipeline": "Cache|S3", **moto.store_keys(bucket, "kv")}
     fill({**cfg, "store_pipeline": "S3"}, [1, 2, 3])
     client = moto.client()
     # An object that is not at a block key is not a block.
@@ -87,13 +81,7 @@ def test_s3_info_ls_verify_gc_clear(moto: MotoServer, tmp_path: Path) -> None:
 def test_s3_errors_name_the_key(moto: MotoServer, tmp_path: Path) -> None:
     conf = write_config(
         tmp_path / "s3.yaml",
-        {
-            "store_pipeline": "S3",
-            "storage_backends": "s3://no-such-bucket-here/kv",
-            "s3_endpoint": moto.endpoint,
-            "s3_access_key": moto.access_key,
-            "s3_secret_key": moto.secret_key,
-        },
+        {"store_pipeline": "S3", **moto.store_keys("no-such-bucket-here", "kv")},
     )
     code, out = run("info", "--config", conf)
     assert code != 0 and "storage_backends" in out and "no-such-bucket-here" in out, out

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.engines import record_reference
 
 BS = 32
 MAX_TOKENS = 8
@@ -111,12 +112,7 @@ def ucm_cfg(world: dict[str, Any], **kw: Any) -> dict[str, Any]:
 
 
 def test_reference_engine(world: dict[str, Any], engines: Any) -> None:
-    ref = engines("ref", {"model": world["model"]})
-    for name, batch in world["prompts"].items():
-        out = ref.generate(batch, MAX_TOKENS)
-        assert all(len(t) == MAX_TOKENS for t in out["tokens"])
-        world["ref"][name] = out["tokens"]
-    ref.close()
+    record_reference(engines("ref", {"model": world["model"]}), world, MAX_TOKENS)
 
 
 def test_engine_a_saves_full_blocks(world: dict[str, Any], engines: Any) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.engines import record_reference
 
 from ucm.integration.vllm.transfer import rank_keys
 
@@ -141,12 +142,7 @@ def engine_cfg(world: dict[str, Any], tp: int, **ucm: Any) -> dict[str, Any]:
 
 
 def test_reference_tp1_no_connector(world: dict[str, Any], engines: Any) -> None:
-    ref = engines("ref", engine_cfg(world, 1))
-    for name, batch in world["prompts"].items():
-        out = ref.generate(batch, MAX_TOKENS)
-        assert all(len(t) == MAX_TOKENS for t in out["tokens"])
-        world["ref"][name] = out["tokens"]
-    ref.close()
+    record_reference(engines("ref", engine_cfg(world, 1)), world, MAX_TOKENS)
 
 
 def test_tp2_engine_a_saves_per_rank_blocks(world: dict[str, Any], engines: Any) -> None:

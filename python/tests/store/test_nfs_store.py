@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.remote_scenarios import ride_out_an_outage, round_trip, wait_until_found
 from support.servers import NfsServer
 
 from ucm.shared.config import ConfigError
@@ -69,14 +70,7 @@ def temporaries(root: Path) -> list[Path]:
 
 
 def check_round_trip(store: UcmKVStoreBase, root: Path) -> None:
-    assert store.lookup([bid(1), bid(2)]) == [False, False]
-    dump(store, [1, 2, 3])
-    store.flush()
-    assert store.lookup([bid(1), bid(9), bid(3)]) == [True, False, True]
-    assert store.lookup_on_prefix([bid(1), bid(2), bid(9), bid(3)]) == 1
-    got = load(store, [1, 2, 3])
-    for n in (1, 2, 3):
-        assert np.array_equal(got[n], block_data(n))
+    round_trip(store)
     raw = block_file(root, 1).read_bytes()
     assert len(raw) == SHARDS * (4096 + SHARD) and raw[:8] == b"UCMKVBLK"
     # layer-wise: one task per shard, out of order; the file appears whole
@@ -182,29 +176,7 @@ def test_server_stopped_mid_run_under_a_cache(nfs: NfsServer) -> None:
     store = open_store(nfs, cfg)
     root = nfs.export / "outage"
     try:
-        dump(store, [1])
-        store.flush()
-        nfs.stop_ganesha()
-        started = time.monotonic()
-        dump(store, [2, 3])  # accepted by the cache
-        with pytest.raises(UcmStoreError):
-            store.flush()
-        assert store.get_stats()["dirty_blocks"] == 2
-        with pytest.raises(UcmStoreError):
-            load(store, [4])  # only the server could have it: recompute
-        assert store.lookup([bid(4)]) == [False]
-        assert np.array_equal(load(store, [2])[2], block_data(2))
-        assert time.monotonic() - started < 15
-        nfs.start_ganesha()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                store.flush()
-                break
-            except UcmStoreError:
-                assert time.monotonic() < deadline, "write-back never recovered"
-                time.sleep(0.3)
-        assert store.get_stats()["dirty_blocks"] == 0
+        ride_out_an_outage(store, nfs.stop_ganesha, nfs.start_ganesha)
         for n in (1, 2, 3):
             assert block_file(root, n).exists()
     finally:
@@ -236,10 +208,7 @@ def test_slow_server_timeouts_are_honoured(nfs: NfsServer) -> None:
             assert store.lookup([bid(1)]) == [False]
         finally:
             nfs.resume()
-        deadline = time.monotonic() + 10
-        while store.lookup([bid(1)]) != [True]:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until_found(store, 1)
         assert np.array_equal(load(store, [1])[1], block_data(1))
     finally:
         store.close()

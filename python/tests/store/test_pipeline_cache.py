@@ -4,7 +4,6 @@ and config validation naming the stage and key."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 from support.py_stores import DictStore
-from support.store_helpers import SHARD, SHARDS, base_config
+from support.store_helpers import SHARD, SHARDS, base_config, run_in_threads
 
 from ucm.store import (
     BlockNotFoundError,
@@ -172,20 +171,7 @@ def test_two_loads_of_a_missing_block_fill_it_once(open_store) -> None:
     data = [content(bid(9), s) for s in range(SHARDS)]
     backend.wait(backend.dump([bid(9)] * SHARDS, list(range(SHARDS)), rows(data)))
     RecordingStore.load_delay = 0.2
-    errors: list[BaseException] = []
-
-    def reader() -> None:
-        try:
-            get(store, bid(9))
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=reader) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(lambda _: get(store, bid(9)), 4)
     assert RecordingStore.loaded_shards == SHARDS
 
 
@@ -241,25 +227,16 @@ def test_prefetch_and_restart_after_flush(tmp_path: Path, open_store) -> None:
 
 def test_many_threads_overlapping_ids_under_eviction(open_store) -> None:
     store = open_store("Posix", cache_buffer_capacity_gb=24 * SHARD / (1 << 30))
-    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        try:
-            rng = np.random.default_rng(k)
-            for _ in range(20):
-                b = bid(int(rng.integers(0, 20)))
-                if rng.random() < 0.4 or not store.lookup([b])[0]:
-                    put(store, b)
-                get(store, b)
-        except BaseException as e:
-            errors.append(e)
+        rng = np.random.default_rng(k)
+        for _ in range(20):
+            b = bid(int(rng.integers(0, 20)))
+            if rng.random() < 0.4 or not store.lookup([b])[0]:
+                put(store, b)
+            get(store, b)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(worker, 6)
     store.flush()
     assert store.get_stats()["slots_used"] <= 24
 

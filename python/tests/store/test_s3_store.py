@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.remote_scenarios import ride_out_an_outage, round_trip, wait_until_found
 from support.servers import DelayProxy, MotoServer, free_port
 
 from ucm.shared.config import ConfigError
@@ -40,10 +41,7 @@ from ucm.store import (
 def s3_config(server: MotoServer, bucket: str, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "store_pipeline": "S3",
-        "storage_backends": f"s3://{bucket}/kv",
-        "s3_endpoint": server.endpoint,
-        "s3_access_key": server.access_key,
-        "s3_secret_key": server.secret_key,
+        **server.store_keys(bucket, "kv"),
         "block_size": SHARD * SHARDS,
         "shard_size": SHARD,
         "tensor_size_list": [SHARD // 2, SHARD // 2],
@@ -70,14 +68,7 @@ def test_round_trip_lookup_and_layer_wise(moto: MotoServer, pipeline: str) -> No
     bucket = moto.create_bucket()
     store = open_store(s3_config(moto, bucket, store_pipeline=pipeline))
     try:
-        assert store.lookup([bid(1), bid(2)]) == [False, False]
-        dump(store, [1, 2, 3])
-        store.flush()
-        assert store.lookup([bid(1), bid(9), bid(3)]) == [True, False, True]
-        assert store.lookup_on_prefix([bid(1), bid(2), bid(9), bid(3)]) == 1
-        got = load(store, [1, 2, 3])
-        for n in (1, 2, 3):
-            assert np.array_equal(got[n], block_data(n))
+        round_trip(store)
         # layer-wise: one task per shard, out of order; the object appears whole
         for s in (3, 0, 2):
             dump(store, [7], range(s, s + 1))
@@ -155,34 +146,12 @@ def test_server_stopped_mid_run_under_a_cache() -> None:
         store = open_store(
             s3_config(server, bucket, store_pipeline="Cache|S3", timeout_ms=3000, s3_retries=1)
         )
-        dump(store, [1])
-        store.flush()
-        server.stop()
-        started = time.monotonic()
-        # dumps are accepted by the cache; writing them back fails, no crash
-        dump(store, [2, 3])
-        with pytest.raises(UcmStoreError):
-            store.flush()
-        assert store.get_stats()["dirty_blocks"] == 2
-        # a block only the server had: the load fails (the engine recomputes)
-        with pytest.raises(UcmStoreError):
-            load(store, [4])
-        assert store.lookup([bid(4)]) == [False]
-        # cached blocks are still served
-        assert np.array_equal(load(store, [2])[2], block_data(2))
-        assert time.monotonic() - started < 15
-        # the server is back (empty: moto keeps nothing): the dirty blocks get there
-        server.start()
-        server.create_bucket(bucket)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                store.flush()
-                break
-            except UcmStoreError:
-                assert time.monotonic() < deadline, "write-back never recovered"
-                time.sleep(0.3)
-        assert store.get_stats()["dirty_blocks"] == 0
+
+        def restart() -> None:  # moto keeps nothing: the bucket is made again
+            server.start()
+            server.create_bucket(bucket)
+
+        ride_out_an_outage(store, server.stop, restart)
         client = server.client()
         for n in (2, 3):
             assert client.head_object(Bucket=bucket, Key=object_key(n))["ContentLength"] > 0
@@ -213,10 +182,7 @@ def test_slow_server_timeouts_are_honoured(moto: MotoServer) -> None:
         assert time.monotonic() - started < 3.5, e.value
         assert store.lookup([bid(1)]) == [False]  # a lookup that can't answer is a miss
         proxy.delay = 0.0
-        deadline = time.monotonic() + 10
-        while store.lookup([bid(1)]) != [True]:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until_found(store, 1)
         assert np.array_equal(load(store, [1])[1], block_data(1))
         store.close()
     finally:
@@ -337,10 +303,7 @@ def test_two_vllm_engines_share_a_bucket(moto: MotoServer, tmp_path: Path) -> No
     bucket = moto.create_bucket()
     ucm = {
         "store_pipeline": "Cache|S3",
-        "storage_backends": f"s3://{bucket}/vllm",
-        "s3_endpoint": moto.endpoint,
-        "s3_access_key": moto.access_key,
-        "s3_secret_key": moto.secret_key,
+        **moto.store_keys(bucket, "vllm"),
         "cache_buffer_capacity_gb": 0.05,
     }
     a, b = vllm_two_engines(tmp_path, ucm)

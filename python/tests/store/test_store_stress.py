@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from support.store_helpers import SHARD, SHARDS, base_config
+from support.store_helpers import SHARD, SHARDS, base_config, run_in_threads
 
 from ucm.store import CorruptBlockError, UcmConnectorFactory
 from ucm.testing import store_debug
@@ -45,31 +44,22 @@ def load_block(store, bid: bytes) -> list[np.ndarray]:
 def test_many_threads_load_and_dump_overlapping_ids(make_store, engine: str) -> None:
     store = make_store(io_engine=engine, io_direct=engine == "uring")
     ids = [i.to_bytes(16, "big") for i in range(24)]
-    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        try:
-            rng = np.random.default_rng(k)
-            for _ in range(25):
-                bid = ids[int(rng.integers(0, len(ids)))]
-                if rng.random() < 0.5 or not store.lookup([bid])[0]:
-                    dump_block(store, bid)
-                got = load_block(store, bid)
-                for s in range(SHARDS):
-                    assert np.array_equal(got[s], content(bid, s))
-                # check() must never block, whatever the task state.
-                t = store.dump([bid], [0], rows([content(bid, 0)]))
-                store.check(t)
-                store.wait(t)
-        except BaseException as e:
-            errors.append(e)
+        rng = np.random.default_rng(k)
+        for _ in range(25):
+            bid = ids[int(rng.integers(0, len(ids)))]
+            if rng.random() < 0.5 or not store.lookup([bid])[0]:
+                dump_block(store, bid)
+            got = load_block(store, bid)
+            for s in range(SHARDS):
+                assert np.array_equal(got[s], content(bid, s))
+            # check() must never block, whatever the task state.
+            t = store.dump([bid], [0], rows([content(bid, 0)]))
+            store.check(t)
+            store.wait(t)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(worker, 8)
 
 
 WRITER = textwrap.dedent(

@@ -22,6 +22,16 @@ class Engine(EngineProcess):
         super().__init__(config, log, env=env or engine_env(), cwd=log.parent)
 
 
+def record_reference(engine: Engine, world: dict[str, Any], max_tokens: int) -> None:
+    """Generates every prompt batch of ``world["prompts"]`` on ``engine`` into
+    ``world["ref"]`` (the tokens later engines must reproduce), then closes it."""
+    for name, batch in world["prompts"].items():
+        out = engine.generate(batch, max_tokens)
+        assert all(len(t) == max_tokens for t in out["tokens"])
+        world["ref"][name] = out["tokens"]
+    engine.close()
+
+
 def run_check_script(script: Path, *args: str, cwd: Path, timeout: float) -> dict[str, Any]:
     """Runs an engine check script in a child process (``python/`` importable,
     no stray ``UCM_*`` settings); returns the JSON of its ``@@RESULT@@`` line."""

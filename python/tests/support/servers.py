@@ -66,6 +66,27 @@ def find_binary(name: str) -> str | None:
     return None
 
 
+def pause_process(proc: subprocess.Popen[bytes]) -> None:
+    """Stops ``proc`` (SIGSTOP) and waits until it no longer answers."""
+    proc.send_signal(signal.SIGSTOP)
+    wait_stopped(proc.pid)
+
+
+def resume_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """Lets a paused ``proc`` run again (SIGCONT)."""
+    if proc is not None:
+        proc.send_signal(signal.SIGCONT)
+
+
+def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """Kills ``proc``, woken first should it be paused, and reaps it."""
+    if proc is not None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def wait_stopped(pid: int, timeout: float = 5.0) -> None:
     """Waits until every thread of ``pid`` is stopped: SIGSTOP takes effect
     asynchronously, and a request already being served could complete."""
@@ -121,6 +142,15 @@ class MotoServer:
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def store_keys(self, bucket: str, prefix: str) -> dict[str, str]:
+        """The config keys of an S3 store at ``s3://bucket/prefix`` on this server."""
+        return {
+            "storage_backends": f"s3://{bucket}/{prefix}",
+            "s3_endpoint": self.endpoint,
+            "s3_access_key": self.access_key,
+            "s3_secret_key": self.secret_key,
+        }
 
     def start(self) -> None:
         env = dict(os.environ)
@@ -182,12 +212,8 @@ class MotoServer:
         return name
 
     def stop(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
+        kill_process(self.proc)
+        self.proc = None
 
     def restart(self) -> None:
         """Starts again on the same port (moto keeps nothing: buckets are gone)."""
@@ -197,12 +223,10 @@ class MotoServer:
     def pause(self) -> None:
         """Stops answering (SIGSTOP) until :meth:`resume`."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-        wait_stopped(self.proc.pid)
+        pause_process(self.proc)
 
     def resume(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
+        resume_process(self.proc)
 
     def close(self) -> None:
         self.stop()
@@ -345,21 +369,15 @@ class NfsServer:
             time.sleep(0.1)
 
     def stop_ganesha(self) -> None:
-        if self.ganesha is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.ganesha.send_signal(signal.SIGCONT)
-            self.ganesha.kill()
-            self.ganesha.wait(timeout=10)
-            self.ganesha = None
+        kill_process(self.ganesha)
+        self.ganesha = None
 
     def pause(self) -> None:
         assert self.ganesha is not None
-        self.ganesha.send_signal(signal.SIGSTOP)
-        wait_stopped(self.ganesha.pid)
+        pause_process(self.ganesha)
 
     def resume(self) -> None:
-        if self.ganesha is not None:
-            self.ganesha.send_signal(signal.SIGCONT)
+        resume_process(self.ganesha)
 
     def close(self) -> None:
         self.stop_ganesha()

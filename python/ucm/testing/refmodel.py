@@ -338,12 +338,8 @@ class DictStore:
         return [i in self.blocks for i in block_ids]
 
     def lookup_on_prefix(self, block_ids: Sequence[bytes]) -> int:
-        last = -1
-        for j, i in enumerate(block_ids):
-            if i not in self.blocks:
-                break
-            last = j
-        return last
+        hits = self.lookup(block_ids)
+        return hits.index(False) - 1 if False in hits else len(hits) - 1
 
     def dump(self, cache: PagedKV, block_id: bytes, physical: int) -> None:
         self.blocks[block_id] = {

@@ -135,18 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     d = TinyModelSpec()
-    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seed"):
+    options = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seed")
+    for name in options:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     args = ap.parse_args(argv)
-    spec = TinyModelSpec(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        vocab=args.vocab,
-        seed=args.seed,
-    )
+    spec = TinyModelSpec(**{name: getattr(args, name) for name in options})
     print(make_tiny_llama(args.out, spec))
     return 0
 

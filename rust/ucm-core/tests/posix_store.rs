@@ -461,6 +461,19 @@ fn with_capacity(mut cfg: PosixConfig, files: u64) -> (PosixConfig, u64) {
     (cfg, file_len)
 }
 
+/// A psync store config keeping `spare_files` spares, with room for `files`
+/// block files; and the length of one.
+fn with_spares_and_capacity(
+    dir: &std::path::Path,
+    direct: bool,
+    spare_files: usize,
+    files: u64,
+) -> (PosixConfig, u64) {
+    let mut cfg = config(dir, IoEngineKind::Psync, direct);
+    cfg.spare_files = spare_files;
+    with_capacity(cfg, files)
+}
+
 #[test]
 fn capacity_evicts_least_recently_used_and_restart_restores_state() {
     let dir = tempfile::tempdir().unwrap();
@@ -535,9 +548,7 @@ fn dump_blocks(store: &PosixStore, ns: std::ops::Range<u32>) {
 /// A store with room for `files` block files and a spare pool of 2 (so at
 /// most 4 x 2 recycled files), for the recycling tests.
 fn recycling_store(dir: &std::path::Path, direct: bool, files: u64) -> (PosixConfig, PosixStore) {
-    let mut cfg = config(dir, IoEngineKind::Psync, direct);
-    cfg.spare_files = 2;
-    let (cfg, _) = with_capacity(cfg, files);
+    let (cfg, _) = with_spares_and_capacity(dir, direct, 2, files);
     let store = PosixStore::open(cfg.clone()).unwrap();
     (cfg, store)
 }
@@ -601,9 +612,9 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
     }
 }
 
-/// Bytes of every file under `root` (blocks and spares).
-fn disk_bytes(root: &std::path::Path) -> u64 {
-    let mut total = 0;
+/// The metadata of every file under `root` (blocks and spares).
+fn files_under(root: &std::path::Path) -> Vec<std::fs::Metadata> {
+    let mut files = Vec::new();
     let mut dirs = vec![root.to_path_buf()];
     while let Some(d) = dirs.pop() {
         for e in std::fs::read_dir(&d).unwrap().flatten() {
@@ -611,11 +622,16 @@ fn disk_bytes(root: &std::path::Path) -> u64 {
             if m.is_dir() {
                 dirs.push(e.path());
             } else {
-                total += m.len();
+                files.push(m);
             }
         }
     }
-    total
+    files
+}
+
+/// Bytes of every file under `root` (blocks and spares).
+fn disk_bytes(root: &std::path::Path) -> u64 {
+    files_under(root).iter().map(|m| m.len()).sum()
 }
 
 /// Spare files take disk space like blocks: a store with a capacity keeps
@@ -624,9 +640,7 @@ fn disk_bytes(root: &std::path::Path) -> u64 {
 #[test]
 fn blocks_and_spare_files_together_stay_within_the_capacity() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
-    cfg.spare_files = 8;
-    let (cfg, file_len) = with_capacity(cfg, 20);
+    let (cfg, file_len) = with_spares_and_capacity(dir.path(), false, 8, 20);
     // A stopped store without a capacity left 16 spares of full length.
     let spare_dir = dir.path().join(".work").join("stopped");
     std::fs::create_dir_all(&spare_dir).unwrap();
@@ -668,27 +682,13 @@ fn blocks_and_spare_files_together_stay_within_the_capacity() {
 /// Inode numbers of every file under `root` (blocks and spares).
 fn inodes(root: &std::path::Path) -> std::collections::BTreeSet<u64> {
     use std::os::unix::fs::MetadataExt;
-    let mut out = std::collections::BTreeSet::new();
-    let mut dirs = vec![root.to_path_buf()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let m = e.metadata().unwrap();
-            if m.is_dir() {
-                dirs.push(e.path());
-            } else {
-                out.insert(m.ino());
-            }
-        }
-    }
-    out
+    files_under(root).iter().map(|m| m.ino()).collect()
 }
 
 #[test]
 fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path(), IoEngineKind::Psync, false);
-    cfg.spare_files = 4;
-    let (cfg, _) = with_capacity(cfg, 40);
+    let (cfg, _) = with_spares_and_capacity(dir.path(), false, 4, 40);
     let store = PosixStore::open(cfg.clone()).unwrap();
     let data = Buf::filled(SHARD, 5, 0);
     let settle = |store: &PosixStore| {

@@ -8,17 +8,17 @@ is device memory the store can't address, the store call, and the copy of
 staged blocks into the cache. Callers keep their own bookkeeping: which
 request a transfer belongs to, statistics, threads.
 
-The store is called in exactly two places, :func:`_store_load` and
-:func:`_store_dump`, through its safe API: the addresses go with the tensors
-that own the memory they point into (the KV cache layers, or the host
-staging buffer), which the store checks them against and keeps alive.
+The store is called in exactly one place, :func:`_store_submit`, through its
+safe API: the addresses go with the tensors that own the memory they point
+into (the KV cache layers, or the host staging buffer), which the store
+checks them against and keeps alive.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -41,29 +41,20 @@ class StoreUnusable(Exception):
     """The store was unusable when a transfer was due."""
 
 
-def _store_load(
+def _store_submit(
+    op: Literal["load", "dump"],
     store: UcmKVStoreBase,
     keys: list[bytes],
     shard_idx: np.ndarray,
     addrs: np.ndarray,
     owners: list[Any],
 ) -> Task:
-    """Submits a load into ``addrs``, which point into the tensors ``owners``
-    (vLLM's KV caches, or the host staging buffer): the store checks every
-    address range against them and keeps them alive until the load has
-    finished, whatever happens to the task."""
-    return store.load(keys, shard_idx, Regions(owners, addrs))
-
-
-def _store_dump(
-    store: UcmKVStoreBase,
-    keys: list[bytes],
-    shard_idx: np.ndarray,
-    addrs: np.ndarray,
-    owners: list[Any],
-) -> Task:
-    """Submits a dump from ``addrs``; ``owners`` as for :func:`_store_load`."""
-    return store.dump(keys, shard_idx, Regions(owners, addrs))
+    """Submits a load into (or a dump from) ``addrs``, which point into the
+    tensors ``owners`` (vLLM's KV caches, or the host staging buffer): the
+    store checks every address range against them and keeps them alive until
+    the transfer has finished, whatever happens to the task."""
+    submit = store.load if op == "load" else store.dump
+    return submit(keys, shard_idx, Regions(owners, addrs))
 
 
 class HostStaging:
@@ -177,7 +168,9 @@ class PendingSave:
         if self.error is not None:
             return
         try:
-            self.task = _store_dump(self.store, self.keys, self.shard_idx, self.addrs, self.owners)
+            self.task = _store_submit(
+                "dump", self.store, self.keys, self.shard_idx, self.addrs, self.owners
+            )
         except Exception as e:
             self.error = e
 
@@ -233,7 +226,7 @@ class KVTransfer:
             else:
                 pending.owners = self._kv_tensors(layer_pos)
             rep_keys, shard_idx, addrs = self._shard_plan(layer_pos, keys, blocks, host_addrs)
-            pending.task = _store_load(store, rep_keys, shard_idx, addrs, pending.owners)
+            pending.task = _store_submit("load", store, rep_keys, shard_idx, addrs, pending.owners)
         except Exception as e:
             pending.error = e
         return pending

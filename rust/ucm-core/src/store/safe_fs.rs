@@ -12,6 +12,25 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
+/// Checks that `dir`, which the config key `key` names, is an existing
+/// directory; errors name the key.
+pub fn require_dir(key: &str, dir: &Path) -> crate::error::Result<()> {
+    use crate::error::UcmError;
+    let meta = std::fs::metadata(dir).map_err(|e| {
+        UcmError::invalid(format!(
+            "{key}: directory {} is not usable: {e}",
+            dir.display()
+        ))
+    })?;
+    if !meta.is_dir() {
+        return Err(UcmError::invalid(format!(
+            "{key}: {} is not a directory",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// What a non-regular file is, for messages.
 pub fn kind_of(meta: &Metadata) -> &'static str {
     let t = meta.file_type();

@@ -40,6 +40,13 @@ def _tile_dot(a, b_ptrs, mask, IEEE: tl.constexpr, UPCAST: tl.constexpr, A_AS_B:
 
 
 @triton.jit
+def _cache_ptrs(cache_ptr, blk, off, h, d, stride_b, stride_t, stride_h, stride_d):
+    """Addresses of the paged cache elements (block ``blk``, token ``off`` of
+    the block, kv head ``h``, dim ``d``), broadcast like the indices."""
+    return cache_ptr + blk * stride_b + off * stride_t + h * stride_h + d * stride_d
+
+
+@triton.jit
 def _scores(
     q,
     qw,
@@ -200,20 +207,11 @@ def paged_prefill_kernel(
         ).to(tl.int64)
         off = (j % BLOCK_SIZE).to(tl.int64)
         kmask = mask_d[:, None] & mask_n[None, :]
-        k_ptrs = (
-            k_ptr
-            + blk[None, :] * stride_kb
-            + off[None, :] * stride_kt
-            + h * stride_kh
-            + offs_d[:, None] * stride_kd
-        )
-        k2_ptrs = (
-            k2_ptr
-            + blk[None, :] * stride_k2b
-            + off[None, :] * stride_k2t
-            + h * stride_k2h
-            + offs_d[:, None] * stride_k2d
-        )
+        # K tiles are [D, N], the V tile [N, D].
+        k_ptrs = _cache_ptrs(k_ptr, blk[None, :], off[None, :], h, offs_d[:, None],
+                             stride_kb, stride_kt, stride_kh, stride_kd)  # fmt: skip
+        k2_ptrs = _cache_ptrs(k2_ptr, blk[None, :], off[None, :], h, offs_d[:, None],
+                              stride_k2b, stride_k2t, stride_k2h, stride_k2d)  # fmt: skip
         rel = pos[:, None] - j[None, :]
         min_rel = pos_min - (start + BLOCK_N - 1)
         max_rel = pos_max - start
@@ -222,13 +220,8 @@ def paged_prefill_kernel(
         )
         visible = (rel >= 0) & mask_n[None, :] & mask_m[:, None]
         sc = tl.where(visible, sc * scale, float("-inf"))
-        v_ptrs = (
-            v_ptr
-            + blk[:, None] * stride_vb
-            + off[:, None] * stride_vt
-            + h * stride_vh
-            + offs_d[None, :] * stride_vd
-        )
+        v_ptrs = _cache_ptrs(v_ptr, blk[:, None], off[:, None], h, offs_d[None, :],
+                             stride_vb, stride_vt, stride_vh, stride_vd)  # fmt: skip
         vmask = mask_n[:, None] & mask_d[None, :]
         m_i, l_i, acc = _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE, UPCAST)
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
@@ -317,6 +310,7 @@ def paged_decode_split_kernel(
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
+    off = offs_n.to(tl.int64)  # token offsets inside a block (a tile is one block)
     heads = h * GROUP + offs_g
     qmask = mask_g[:, None] & mask_d[None, :]
     q, qw = _load_queries(
@@ -335,20 +329,11 @@ def paged_decode_split_kernel(
         j = jb * BLOCK_SIZE + offs_n
         mask_n = (offs_n < BLOCK_SIZE) & (j < kv_len)
         kmask = mask_d[:, None] & mask_n[None, :]
-        k_ptrs = (
-            k_ptr
-            + blk * stride_kb
-            + offs_n[None, :].to(tl.int64) * stride_kt
-            + h * stride_kh
-            + offs_d[:, None] * stride_kd
-        )
-        k2_ptrs = (
-            k2_ptr
-            + blk * stride_k2b
-            + offs_n[None, :].to(tl.int64) * stride_k2t
-            + h * stride_k2h
-            + offs_d[:, None] * stride_k2d
-        )
+        # K tiles are [D, N], the V tile [N, D].
+        k_ptrs = _cache_ptrs(k_ptr, blk, off[None, :], h, offs_d[:, None],
+                             stride_kb, stride_kt, stride_kh, stride_kd)  # fmt: skip
+        k2_ptrs = _cache_ptrs(k2_ptr, blk, off[None, :], h, offs_d[:, None],
+                              stride_k2b, stride_k2t, stride_k2h, stride_k2d)  # fmt: skip
         rel = pos - j[None, :]
         min_rel = pos - (jb * BLOCK_SIZE + BLOCK_SIZE - 1)
         max_rel = pos - jb * BLOCK_SIZE
@@ -356,13 +341,8 @@ def paged_decode_split_kernel(
             q, qw, k_ptrs, k2_ptrs, kmask, rel, window, min_rel, max_rel, REROPE, IEEE, UPCAST
         )
         sc = tl.where(mask_n[None, :], sc * scale, float("-inf"))
-        v_ptrs = (
-            v_ptr
-            + blk * stride_vb
-            + offs_n[:, None].to(tl.int64) * stride_vt
-            + h * stride_vh
-            + offs_d[None, :] * stride_vd
-        )
+        v_ptrs = _cache_ptrs(v_ptr, blk, off[:, None], h, offs_d[None, :],
+                             stride_vb, stride_vt, stride_vh, stride_vd)  # fmt: skip
         vmask = mask_n[:, None] & mask_d[None, :]
         m_i, l_i, acc = _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE, UPCAST)
     a_ptrs = acc_ptr + s * stride_as + heads[:, None] * stride_ah + sp * stride_ap

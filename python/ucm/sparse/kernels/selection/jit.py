@@ -146,8 +146,8 @@ def _vote_logits(
     qv,
     rep_ptr,
     row_ptr,
-    offs_n,
-    mask_n,
+    start,
+    n,
     offs_m,
     mask_m,
     offs_d,
@@ -158,9 +158,13 @@ def _vote_logits(
     stride_rm,
     stride_rh,
     stride_rd,
+    BLOCK_N: tl.constexpr,
 ):
     """``[BLOCK_N, M_PAD]`` logits of one query against the sub-block
-    representatives of the candidate blocks ``offs_n`` (-inf where masked)."""
+    representatives of the candidate blocks ``start .. start + BLOCK_N`` of
+    the ``n`` (-inf where masked), with the blocks' offsets and mask."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
     slots = tl.load(row_ptr + offs_n * stride_tn, mask=mask_n, other=0)
     r_ptrs = (
         rep_ptr
@@ -172,7 +176,7 @@ def _vote_logits(
     mask_r = mask_n[:, None, None] & mask_m[None, :, None] & mask_d[None, None, :]
     r = tl.load(r_ptrs, mask=mask_r, other=0.0).to(tl.float32)
     logit = tl.sum(r * qv[None, None, :], axis=2)
-    return tl.where(mask_n[:, None] & mask_m[None, :], logit, float("-inf"))
+    return tl.where(mask_n[:, None] & mask_m[None, :], logit, float("-inf")), offs_n, mask_n
 
 
 @triton.jit
@@ -228,14 +232,13 @@ def kvstar_vote_kernel(
     q_ptrs = q_ptr + s * stride_qs + x * stride_qx + hq * stride_qh
     qv = tl.load(q_ptrs + ch.to(tl.int64) * stride_qd, mask=mask_d, other=0.0).to(tl.float32)
     qv = qv * scale
+    row_ptr = table_ptr + s * stride_ts
     m_i = tl.max(tl.full([M_PAD], float("-inf"), tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([M_PAD], tl.float32), axis=0)
     for start in range(0, n, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n
-        logit = _vote_logits(
-            qv, rep_ptr, table_ptr + s * stride_ts, offs_n, mask_n, offs_m, mask_m, offs_d,
-            mask_d, h, stride_tn, stride_rp, stride_rm, stride_rh, stride_rd,
+        logit, offs_n, mask_n = _vote_logits(
+            qv, rep_ptr, row_ptr, start, n, offs_m, mask_m, offs_d, mask_d, h,
+            stride_tn, stride_rp, stride_rm, stride_rh, stride_rd, BLOCK_N,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(tl.max(logit, axis=1), axis=0))
         p = tl.exp(logit - m_new)
@@ -243,11 +246,9 @@ def kvstar_vote_kernel(
         m_i = m_new
     inv_l = 1.0 / l_i
     for start in range(0, n, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n
-        logit = _vote_logits(
-            qv, rep_ptr, table_ptr + s * stride_ts, offs_n, mask_n, offs_m, mask_m, offs_d,
-            mask_d, h, stride_tn, stride_rp, stride_rm, stride_rh, stride_rd,
+        logit, offs_n, mask_n = _vote_logits(
+            qv, rep_ptr, row_ptr, start, n, offs_m, mask_m, offs_d, mask_d, h,
+            stride_tn, stride_rp, stride_rm, stride_rh, stride_rd, BLOCK_N,
         )  # fmt: skip
         mass = tl.sum(tl.exp(logit - m_i), axis=1) * inv_l
         tl.store(out_ptr + s * stride_os + v * stride_ov + offs_n * stride_on, mass, mask=mask_n)

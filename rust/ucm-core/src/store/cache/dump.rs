@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use super::stats::add;
 use super::table::{Guard, READY};
-use super::{
-    staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, COPY_JOB_BYTES, LOCK_CHUNK,
-};
+use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, LOCK_CHUNK};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::task::TaskId;
@@ -137,31 +135,23 @@ impl Inner {
         p.plans
     }
 
-    /// Copies staged shards into their slots on the copy pool, in jobs of
-    /// about [`COPY_JOB_BYTES`].
+    /// Copies staged shards into their slots on the copy pool, in jobs
+    /// ([`Inner::copy_jobs`]).
     fn spawn_stage_jobs(
         self: &Arc<Self>,
         rt: &Runtime,
         ctx: &Arc<TaskCtx>,
-        mut stage: Vec<(ShardIo, u32)>,
+        stage: Vec<(ShardIo, u32)>,
         prerequisite: u64,
     ) {
-        let per_job = (COPY_JOB_BYTES / self.cfg.shard_size.max(1)).max(1);
-        while !stage.is_empty() {
-            let rest = stage.split_off(stage.len().min(per_job));
-            let job = std::mem::replace(&mut stage, rest);
+        for job in self.copy_jobs(stage) {
             let (me, ctx2) = (self.clone(), ctx.clone());
             let units = job.len();
-            let ok = rt
-                .copy
-                .spawn(move || me.stage_dump(&ctx2, job, prerequisite));
-            if !ok {
-                // Unreachable in practice (the pool lives until close); the
-                // slots stay FILLING until the table is dropped.
-                for _ in 0..units {
-                    ctx.done(&self.c, Err(UcmError::Closed));
-                }
-            }
+            // A failed spawn is unreachable in practice (the pool lives until
+            // close); the slots would stay FILLING until the table is dropped.
+            self.spawn_or_fail(&rt.copy, ctx, units, move || {
+                me.stage_dump(&ctx2, job, prerequisite)
+            });
         }
     }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::stats::add;
 use super::table::{FILLING, FREE, READY};
-use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, COPY_JOB_BYTES, LOCK_CHUNK};
+use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, LOCK_CHUNK};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
@@ -87,10 +87,7 @@ impl Inner {
             }
         }
         add(&self.c.l1_hits, hits.len() as u64);
-        let per_job = (COPY_JOB_BYTES / self.cfg.shard_size.max(1)).max(1);
-        while !hits.is_empty() {
-            let rest = hits.split_off(hits.len().min(per_job));
-            let job = std::mem::replace(&mut hits, rest);
+        for job in self.copy_jobs(hits) {
             let (me, ctx2) = (self.clone(), ctx.clone());
             let units = job.len();
             self.spawn_or_fail(&rt.copy, &ctx, units, move || me.copy_out_hits(&ctx2, job));

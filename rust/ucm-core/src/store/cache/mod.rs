@@ -84,6 +84,7 @@ use super::{Store, StoreDebug, StoreFacts, StoreStats};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
+use crate::store::format::codec::check_shards;
 use crate::task::{Task, TaskId, TaskRegistry, WorkerPool};
 
 /// Shards classified per table-lock acquisition, so one huge task does not
@@ -305,27 +306,7 @@ impl CacheStore {
                 "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
             ));
         }
-        let cfg = &self.inner.cfg;
-        for (i, s) in shards.iter().enumerate() {
-            if s.index >= self.inner.shard_count {
-                return Err(UcmError::invalid(format!(
-                    "shard_index[{i}] = {} is out of range: blocks have {} shard(s)",
-                    s.index, self.inner.shard_count
-                )));
-            }
-            if s.len() != cfg.shard_size {
-                return Err(UcmError::invalid(format!(
-                    "shard {i} (block {}): tensors sum to {} bytes, expected shard_size {}",
-                    s.block,
-                    s.len(),
-                    cfg.shard_size
-                )));
-            }
-            if s.segs.iter().any(|g| g.addr == 0) {
-                return Err(UcmError::invalid(format!("shard {i}: null memory address")));
-            }
-        }
-        Ok(())
+        check_shards(self.inner.shard_count, self.inner.cfg.shard_size, shards)
     }
 }
 
@@ -435,6 +416,17 @@ impl Inner {
                 ctx.done(&self.c, Err(UcmError::Closed));
             }
         }
+    }
+
+    /// `items` (one a shard) cut into copy jobs of about [`COPY_JOB_BYTES`].
+    fn copy_jobs<T>(&self, mut items: Vec<T>) -> Vec<Vec<T>> {
+        let per_job = (COPY_JOB_BYTES / self.cfg.shard_size.max(1)).max(1);
+        let mut jobs = Vec::with_capacity(items.len().div_ceil(per_job));
+        while !items.is_empty() {
+            let rest = items.split_off(items.len().min(per_job));
+            jobs.push(std::mem::replace(&mut items, rest));
+        }
+        jobs
     }
 
     /// When a wait for the backend on behalf of `ctx` gives up.

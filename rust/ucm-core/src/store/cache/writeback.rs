@@ -381,22 +381,17 @@ mod tests {
         wb.add(&[(b, 0, 6)], false);
         assert!(wb.state.lock().take_due(Instant::now(), &lazy).is_err());
         wb.want(&[b]);
-        let batch = wb
-            .state
-            .lock()
-            .take_due(Instant::now(), &lazy)
-            .ok()
-            .unwrap();
-        assert_eq!(batch.items, vec![(b, 0, 6)]);
+        let take_due = || {
+            wb.state
+                .lock()
+                .take_due(Instant::now(), &lazy)
+                .ok()
+                .unwrap()
+        };
+        assert_eq!(take_due().items, vec![(b, 0, 6)]);
         // A flush makes the rest due whatever the policy.
         wb.state.lock().flush_gen += 1;
-        let batch = wb
-            .state
-            .lock()
-            .take_due(Instant::now(), &lazy)
-            .ok()
-            .unwrap();
-        assert_eq!(batch.items, vec![(a, 0, 5)]);
+        assert_eq!(take_due().items, vec![(a, 0, 5)]);
     }
 
     #[test]

@@ -102,22 +102,22 @@ pub unsafe fn decode_region(layout: &Layout, shard: &ShardIo, raw: &[u8]) -> Res
     Ok(())
 }
 
-/// Checks the shards of a load or dump against the layout; errors name the
-/// offending entry.
-pub fn check_shards(layout: &Layout, shards: &[ShardIo]) -> Result<()> {
+/// Checks the shards of a load or dump against the block geometry (blocks
+/// of `shard_count` shards of `shard_size` bytes); errors name the offending
+/// entry.
+pub fn check_shards(shard_count: usize, shard_size: usize, shards: &[ShardIo]) -> Result<()> {
     for (i, s) in shards.iter().enumerate() {
-        if s.index >= layout.shard_count {
+        if s.index >= shard_count {
             return Err(UcmError::invalid(format!(
-                "shard_index[{i}] = {} is out of range: blocks have {} shard(s)",
-                s.index, layout.shard_count
+                "shard_index[{i}] = {} is out of range: blocks have {shard_count} shard(s)",
+                s.index
             )));
         }
-        if s.len() != layout.shard_size {
+        if s.len() != shard_size {
             return Err(UcmError::invalid(format!(
-                "shard {i} (block {}): tensors sum to {} bytes, expected shard_size {}",
+                "shard {i} (block {}): tensors sum to {} bytes, expected shard_size {shard_size}",
                 s.block,
                 s.len(),
-                layout.shard_size
             )));
         }
         if s.segs.iter().any(|g| g.addr == 0) {

@@ -204,18 +204,7 @@ fn connect(
 
 /// The kernel-mounted directory `dir`, which must exist.
 fn mounted(dir: &std::path::Path, io_direct: bool) -> Result<LocalFs> {
-    let meta = std::fs::metadata(dir).map_err(|e| {
-        UcmError::invalid(format!(
-            "storage_backends: directory {} is not usable: {e}",
-            dir.display()
-        ))
-    })?;
-    if !meta.is_dir() {
-        return Err(UcmError::invalid(format!(
-            "storage_backends: {} is not a directory",
-            dir.display()
-        )));
-    }
+    crate::store::safe_fs::require_dir("storage_backends", dir)?;
     Ok(LocalFs::new(dir.to_path_buf(), io_direct))
 }
 

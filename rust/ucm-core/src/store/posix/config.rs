@@ -6,6 +6,7 @@ use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values};
 use crate::error::{Result, UcmError};
 use crate::io::IoEngineKind;
 use crate::store::format::layout::validate_geometry;
+use crate::store::safe_fs::require_dir;
 
 /// The Posix stage's own keys (besides the geometry, `device_id` and
 /// `timeout_ms`).
@@ -226,18 +227,7 @@ impl PosixConfig {
             ));
         }
         for (i, dir) in self.storage_backends.iter().enumerate() {
-            let meta = std::fs::metadata(dir).map_err(|e| {
-                UcmError::invalid(format!(
-                    "storage_backends[{i}]: directory {} is not usable: {e}",
-                    dir.display()
-                ))
-            })?;
-            if !meta.is_dir() {
-                return Err(UcmError::invalid(format!(
-                    "storage_backends[{i}]: {} is not a directory",
-                    dir.display()
-                )));
-            }
+            require_dir(&format!("storage_backends[{i}]"), dir)?;
             if self.device_id >= 0 && !writable(dir) {
                 return Err(UcmError::invalid(format!(
                     "storage_backends[{i}]: directory {} is not writable",

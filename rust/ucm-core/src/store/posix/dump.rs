@@ -15,7 +15,7 @@ use super::writer::{self, BlockWriter, Claim};
 use super::{evict, scan, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::io::{BounceBuf, IoEngine, IoOp, IoRequest};
+use crate::io::{BounceBuf, IoEngine, IoOp};
 use crate::store::format::layout::{checksum_segs, HEADER_LEN};
 use crate::task::Task;
 
@@ -269,20 +269,10 @@ impl Shared {
         let bounce_needed = writer.file.direct && !self.align.fits(&shard.segs);
         let (mut head, head_len) = self.shard_head(engine, shard, bounce_needed);
         let iov = self.write_iov(&mut head, head_len, shard, bounce_needed);
-        let fixed = if bounce_needed {
-            head.fixed_index()
-        } else {
-            None
-        };
-        let expected: usize = iov.iter().map(|s| s.len).sum();
-        let req = IoRequest {
-            op: IoOp::Write,
-            // The writer (and so the file) lives until the completion.
-            fd: writer.file.file.as_raw_fd(),
-            offset: self.layout.offset(shard.index),
-            iov,
-            fixed,
-        };
+        // The writer (and so the file) lives until the completion.
+        let fd = writer.file.file.as_raw_fd();
+        let req = self.shard_request(IoOp::Write, fd, shard.index, &head, iov, bounce_needed);
+        let expected = req.len();
         let shared = self.clone();
         let task = task.clone();
         let writer = writer.clone();
@@ -309,11 +299,7 @@ impl Shared {
         bounce_needed: bool,
     ) -> (BounceBuf, usize) {
         let size = self.layout.shard_size;
-        let head_len = if bounce_needed {
-            HEADER_LEN + self.padded()
-        } else {
-            HEADER_LEN
-        };
+        let head_len = self.head_len(bounce_needed);
         let mut head = engine.bounce(head_len);
         let checksum = if bounce_needed {
             let mut off = HEADER_LEN;

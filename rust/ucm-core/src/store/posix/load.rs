@@ -15,6 +15,18 @@ use crate::store::format::layout::{checksum_segs, ShardHeader, HEADER_LEN};
 use crate::task::Task;
 use std::sync::atomic::Ordering;
 
+/// What a read delivered of one shard's region.
+struct Delivered<'a> {
+    /// Bytes read, or the OS error.
+    res: std::io::Result<usize>,
+    /// Bytes a complete read of the shard delivers.
+    expected: usize,
+    /// The shard's header, followed by its data when `bounced`.
+    head: &'a [u8],
+    /// The data came through `head`, not straight into caller memory.
+    bounced: bool,
+}
+
 impl Shared {
     /// Pins `block` (so eviction leaves it alone) and opens its file.
     pub(super) fn open_for_load(&self, block: &BlockId) -> Result<(index::Pin, files::OpenFile)> {
@@ -99,20 +111,13 @@ impl Shared {
             fixed: None,
         };
         let stride = HEADER_LEN + size + pad;
-        let shared = self.clone();
-        let task = task.clone();
-        self.begin_io();
-        engine.submit(
-            req,
-            Box::new(move |res| {
-                let outcomes = shared.finish_run(&run, &res, &heads, stride, &task);
-                drop((open, pin, heads, sink));
-                for outcome in outcomes {
-                    shared.complete_load(&task, outcome);
-                }
-                shared.end_io();
-            }),
-        );
+        self.submit_read(engine, task, req, move |shared, task, res| {
+            let outcomes = shared.finish_run(&run, &res, &heads, stride, task);
+            drop((open, pin, heads, sink));
+            for outcome in outcomes {
+                shared.complete_load(task, outcome);
+            }
+        });
     }
 
     pub(super) fn start_load(
@@ -123,49 +128,52 @@ impl Shared {
     ) -> Result<()> {
         let (pin, open) = self.open_for_load(&shard.block)?;
         let bounce_needed = open.direct && !self.align.fits(&shard.segs);
-        let mut head = engine.bounce(if bounce_needed {
-            HEADER_LEN + self.padded()
-        } else {
-            HEADER_LEN
-        });
+        let head_len = self.head_len(bounce_needed);
+        let mut head = engine.bounce(head_len);
         let mut iov = vec![MemSeg {
             addr: head.as_mut_ptr() as usize,
-            len: if bounce_needed {
-                HEADER_LEN + self.padded()
-            } else {
-                HEADER_LEN
-            },
+            len: head_len,
         }];
         if !bounce_needed {
             iov.extend_from_slice(&shard.segs);
         }
-        let fixed = if bounce_needed {
-            head.fixed_index()
-        } else {
-            None
-        };
-        let expected: usize = iov.iter().map(|s| s.len).sum();
-        let req = IoRequest {
-            op: IoOp::Read,
-            fd: std::os::fd::AsRawFd::as_raw_fd(&open.file),
-            offset: self.layout.offset(shard.index),
-            iov,
-            fixed,
-        };
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&open.file);
+        let req = self.shard_request(IoOp::Read, fd, shard.index, &head, iov, bounce_needed);
+        let expected = req.len();
+        self.submit_read(engine, task, req, move |shared, task, res| {
+            let got = Delivered {
+                res,
+                expected,
+                head: &head[..],
+                bounced: bounce_needed,
+            };
+            let outcome = shared.finish_load(&shard, got, task);
+            drop((open, pin, head));
+            shared.complete_load(task, outcome);
+        });
+        Ok(())
+    }
+
+    /// Submits a read counted in flight ([`Shared::begin_io`]); `done` runs
+    /// on completion, before the count drops, and must release the file,
+    /// pin and buffers the request used.
+    fn submit_read(
+        self: &Arc<Self>,
+        engine: &Arc<dyn IoEngine>,
+        task: &Arc<Task>,
+        req: IoRequest,
+        done: impl FnOnce(&Arc<Self>, &Arc<Task>, std::io::Result<usize>) + Send + 'static,
+    ) {
         let shared = self.clone();
         let task = task.clone();
         self.begin_io();
         engine.submit(
             req,
             Box::new(move |res| {
-                let outcome =
-                    shared.finish_load(&shard, res, expected, &head[..], bounce_needed, &task);
-                drop((open, pin, head));
-                shared.complete_load(&task, outcome);
+                done(&shared, &task, res);
                 shared.end_io();
             }),
         );
-        Ok(())
     }
 
     /// The outcome of each shard of a run read with one request (`res`),
@@ -182,13 +190,16 @@ impl Shared {
         run.iter()
             .enumerate()
             .map(|(j, shard)| {
-                // What the read delivered of this shard's region.
-                let got = match res {
-                    Ok(n) => Ok(n.saturating_sub(j * stride).min(region)),
-                    Err(e) => Err(copy_io_error(e)),
+                let got = Delivered {
+                    res: match res {
+                        Ok(n) => Ok(n.saturating_sub(j * stride).min(region)),
+                        Err(e) => Err(copy_io_error(e)),
+                    },
+                    expected: region,
+                    head: &heads[j * HEADER_LEN..(j + 1) * HEADER_LEN],
+                    bounced: false,
                 };
-                let head = &heads[j * HEADER_LEN..(j + 1) * HEADER_LEN];
-                self.finish_load(shard, got, region, head, false, task)
+                self.finish_load(shard, got, task)
             })
             .collect()
     }
@@ -204,16 +215,9 @@ impl Shared {
 
     /// The outcome of one shard's read: verified, and copied out of the
     /// bounce buffer when `bounced`; on failure, see [`Shared::load_failed`].
-    pub(super) fn finish_load(
-        &self,
-        shard: &ShardIo,
-        res: std::io::Result<usize>,
-        expected: usize,
-        head: &[u8],
-        bounced: bool,
-        task: &Task,
-    ) -> Result<()> {
-        if let Err(e) = self.verify_load(shard, res, expected, head, bounced) {
+    fn finish_load(&self, shard: &ShardIo, got: Delivered<'_>, task: &Task) -> Result<()> {
+        let (head, bounced) = (got.head, got.bounced);
+        if let Err(e) = self.verify_load(shard, got) {
             return Err(self.load_failed(shard, e, bounced, task));
         }
         if bounced {
@@ -233,14 +237,13 @@ impl Shared {
     /// Checks what a read delivered of one shard: all `expected` bytes, a
     /// header of this shard and this layout, and the data's checksum (of
     /// the bounce buffer when `bounced`, else of caller memory).
-    fn verify_load(
-        &self,
-        shard: &ShardIo,
-        res: std::io::Result<usize>,
-        expected: usize,
-        head: &[u8],
-        bounced: bool,
-    ) -> Result<()> {
+    fn verify_load(&self, shard: &ShardIo, got: Delivered<'_>) -> Result<()> {
+        let Delivered {
+            res,
+            expected,
+            head,
+            bounced,
+        } = got;
         let n = res.map_err(|e| UcmError::os("read", self.paths.block(&shard.block), e))?;
         if n < expected {
             return Err(UcmError::corrupt(

@@ -37,6 +37,7 @@ mod writer;
 pub use config::{Durability, PosixConfig, KEYS};
 pub use maintain::PosixMaintenance;
 
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -50,10 +51,10 @@ use self::load::load_runs;
 use self::spare::SparePool;
 use self::writer::BlockWriter;
 use super::{Store, StoreDebug, StoreFacts, StoreStats};
-use crate::block::{BlockId, ShardIo};
+use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::io::{AlignedBuf, IoEngine};
-use crate::store::format::layout::{round_up, Layout, ShardHeader, REGION_ALIGN};
+use crate::io::{AlignedBuf, BounceBuf, IoEngine, IoOp, IoRequest};
+use crate::store::format::layout::{round_up, Layout, ShardHeader, HEADER_LEN, REGION_ALIGN};
 use crate::task::{TaskId, TaskRegistry, WorkerPool};
 
 /// Counters of one store's activity since it was opened.
@@ -169,7 +170,8 @@ impl PosixStore {
                 "load/dump are disabled in the lookup-only role (device_id = -1)".into(),
             ));
         }
-        crate::store::format::codec::check_shards(&self.shared.layout, shards)
+        let layout = &self.shared.layout;
+        crate::store::format::codec::check_shards(layout.shard_count, layout.shard_size, shards)
     }
 
     fn submit(&self, kind: &'static str, shards: Vec<ShardIo>) -> Result<TaskId> {
@@ -296,6 +298,43 @@ impl Shared {
         let mut n = self.inflight.lock();
         *n -= 1;
         self.inflight_cv.notify_all();
+    }
+
+    /// Bytes of the buffer a shard's transfer starts with: its header, and
+    /// when the shard bounces (O_DIRECT with unaligned caller memory) its
+    /// padded data as well.
+    fn head_len(&self, bounce_needed: bool) -> usize {
+        if bounce_needed {
+            HEADER_LEN + self.padded()
+        } else {
+            HEADER_LEN
+        }
+    }
+
+    /// The request that moves shard `index`'s region through `iov`, whose
+    /// first segment is `head`: a bounced shard moves through `head` alone,
+    /// which may then be one of the engine's registered buffers.
+    fn shard_request(
+        &self,
+        op: IoOp,
+        fd: RawFd,
+        index: usize,
+        head: &BounceBuf,
+        iov: Vec<MemSeg>,
+        bounce_needed: bool,
+    ) -> IoRequest {
+        let fixed = if bounce_needed {
+            head.fixed_index()
+        } else {
+            None
+        };
+        IoRequest {
+            op,
+            fd,
+            offset: self.layout.offset(index),
+            iov,
+            fixed,
+        }
     }
 
     /// Bytes of the data part of a region as written (padded to 4 KiB).

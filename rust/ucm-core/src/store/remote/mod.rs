@@ -200,7 +200,7 @@ impl<B: RemoteBackend> RemoteStore<B> {
         if dump {
             self.backend.check_dump()?;
         }
-        check_shards(&core.layout, shards)
+        check_shards(core.layout.shard_count, core.layout.shard_size, shards)
     }
 
     /// Runs `query` (over the ids, the probe concurrency and the backend)
