@@ -19,7 +19,10 @@ steps no longer queue behind other requests' prefills.
 Run (a few minutes; not part of CI)::
 
     .venv/bin/python benches/pd_bench.py [--requests 4] [--prompt-tokens 1536]
-        [--max-tokens 32] [--rounds 2]
+        [--max-tokens 32] [--rounds 2] [--work DIR]
+
+``--work DIR`` keeps the engines' logs (``P.log``, ``D.log``, ``proxy.log``,
+``one.log``) and the store there.
 """
 
 from __future__ import annotations
@@ -118,15 +121,31 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1536)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--work",
+        type=Path,
+        help="directory for the model, store and engine logs (kept); default: a "
+        "temporary one, removed at the end",
+    )
+    ap.add_argument(
+        "--handover-timeout-s",
+        type=float,
+        help="the engines' handover_timeout_s (default: the config's)",
+    )
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="ucm-pd-bench-"))
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="ucm-pd-bench-"))
     model = make_tiny_llama(work / "model", MODEL)
     max_len = args.prompt_tokens + args.max_tokens + 64
     ports = {k: free_port() for k in ("P", "D", "one", "proxy")}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     env = engine_env(UCM_STORAGE_BACKENDS=str(work / "store"), UCM_STORE_PIPELINE="Posix")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if args.handover_timeout_s is not None:
+        # engine_env drops the caller's UCM_* variables: set it here.
+        env["UCM_HANDOVER_TIMEOUT_S"] = str(args.handover_timeout_s)
     py = [sys.executable, "-m", "ucm"]
     cmds = {
         "P": [*py, "serve", str(model), "--kv-role", "producer", *engine_args(ports["P"], max_len)],
@@ -202,7 +221,10 @@ def main() -> None:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-        shutil.rmtree(work, ignore_errors=True)
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"engine logs and store kept in {work}")
 
 
 if __name__ == "__main__":

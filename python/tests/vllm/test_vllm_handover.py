@@ -152,3 +152,52 @@ def test_handover_params_round_trip() -> None:
     # Another connector's P/D fields are not ours: no handover.
     nixl = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
     assert Handover.of(PDRequest("r", [1, 2], kv_transfer_params=nixl), BS) is None
+
+
+def test_concurrent_prompts_chunked_over_steps_are_answered_with_readable_blocks(
+    tmp_path: Path,
+) -> None:
+    """Four handover requests share a small token budget, so their prompts are
+    computed in chunks over several steps and complete in different ones: each
+    answer names only blocks the decode side finds at once, and every request
+    is reported done saving."""
+    p = Side(tmp_path)
+    d = Side(tmp_path, handover_timeout_s=600)
+    lengths = [2 * BS + 5, BS, BS + 1, 5]
+    reqs, progress = [], {}
+    free = list(range(24))
+    for i, n in enumerate(lengths):
+        r = PDRequest(f"p{i}", tokens(n, 20 + i), kv_transfer_params={"do_remote_decode": True})
+        blocks = [free.pop() for _ in range(-(-n // BS))]
+        assert p.admit(r, blocks) == 0
+        for b in blocks:
+            p.kv[:, b] = torch.randn(L, H, BS, p.kv.shape[-1])
+        reqs.append((r, blocks))
+        progress[r.request_id] = 0
+    answered, finished, done = 0, set[str](), set[str]()
+    for _ in range(50):
+        budget, new, cached = BS + 7, [], []
+        for r, _ in reqs:
+            c = progress[r.request_id]
+            n = min(r.num_tokens - c, budget)
+            if n > 0:
+                budget -= n
+                (cached if c else new).append((r.request_id, c, n))
+        _, d_ = p.step(sched_output(new=new, cached=cached, finished=finished), set(finished))
+        done |= d_ or set()
+        finished = set()
+        for r, blocks in reqs:
+            c = progress[r.request_id]
+            step = next((n for rid, _, n in new + cached if rid == r.request_id), 0)
+            progress[r.request_id] = c + step
+            if step and c + step == r.num_tokens:
+                _, params = p.sched.request_finished(r, blocks)
+                finished.add(r.request_id)
+                dreq = PDRequest("d" + r.request_id, list(r.tokens), kv_transfer_params=params)
+                assert d.sched.get_num_new_matched_tokens(dreq, 0) == (r.num_tokens - 1, False)
+                answered += 1
+        if done == {r.request_id for r, _ in reqs}:
+            break
+    assert answered == len(reqs) and done == {r.request_id for r, _ in reqs}
+    p.close()
+    d.close()
