@@ -143,6 +143,33 @@ fn round_trip_all_engines_and_direct_modes() {
 }
 
 #[test]
+fn background_loads_run_on_the_calling_thread_and_read_the_same_bytes() {
+    each_mode(|engine, direct| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+        let ids: Vec<BlockId> = (0..3).map(id).collect();
+        let srcs: Vec<Buf> = (0..12).map(|n| Buf::filled(SHARD, n, 0)).collect();
+        let shards = |bufs: &[Buf]| -> Vec<ShardIo> {
+            bufs.iter()
+                .enumerate()
+                .map(|(n, b)| b.shard(ids[n / 4], n % 4))
+                .collect()
+        };
+        let t = store.dump(shards(&srcs), 0).unwrap();
+        store.wait(t).unwrap();
+        let dsts: Vec<Buf> = (0..12).map(|_| Buf::new(SHARD, 0)).collect();
+        let t = store.load_in_background(shards(&dsts)).unwrap();
+        // Done by the time it returns: the caller's thread did the reads.
+        assert!(store.check(t).unwrap(), "engine={engine:?} direct={direct}");
+        store.wait(t).unwrap();
+        assert!(srcs.iter().zip(&dsts).all(|(a, b)| a.slice() == b.slice()));
+        store.close().unwrap();
+        let err = store.load_in_background(shards(&dsts)).unwrap_err();
+        assert!(matches!(err, ucm_core::UcmError::Closed), "{err}");
+    });
+}
+
+#[test]
 fn lookup_is_per_block_and_prefix_stops_at_first_miss() {
     let dir = tempfile::tempdir().unwrap();
     let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();

@@ -23,12 +23,14 @@ use crate::block::MemSeg;
 
 pub mod aligned;
 pub mod baseline;
+pub mod inline;
 pub mod psync;
 #[cfg(target_os = "linux")]
 pub mod uring;
 
 pub use aligned::{align_up, AlignedBuf, BounceBuf, BouncePool, DIRECT_ALIGN};
 pub use baseline::{baseline_direct_io, BaselineFile};
+pub use inline::InlineEngine;
 pub use psync::PsyncEngine;
 #[cfg(target_os = "linux")]
 pub use uring::UringEngine;

@@ -71,6 +71,14 @@ pub trait Store: Send + Sync {
     /// Starts copying the given shards from the store into caller memory.
     fn load(&self, shards: Vec<ShardIo>) -> Result<TaskId>;
 
+    /// [`Store::load`] for a copy nobody waits on soon (a tier above filling
+    /// its own memory after a load): a store may run it at the calling
+    /// thread's CPU priority instead of on its I/O threads, and return only
+    /// once it is done. By default the same as `load`.
+    fn load_in_background(&self, shards: Vec<ShardIo>) -> Result<TaskId> {
+        self.load(shards)
+    }
+
     /// Starts copying the given shards from caller memory into the store.
     /// `prerequisite` is an event handle to wait on before reading device
     /// memory (0 = none); host-memory stores ignore it.

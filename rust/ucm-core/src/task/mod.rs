@@ -24,6 +24,7 @@
 
 mod pool;
 
+pub(crate) use pool::lower_own_priority;
 pub use pool::{PoolSender, WorkerPool};
 
 use std::collections::HashMap;

@@ -93,7 +93,7 @@ impl Drop for WorkerPool {
 /// Sets the calling thread's nice value to 19. On Linux the nice value is
 /// per thread, so this leaves the rest of the process alone; raising it
 /// needs no privilege. Failure only means normal priority.
-fn lower_own_priority() {
+pub(crate) fn lower_own_priority() {
     // SAFETY: plain syscalls on the calling thread.
     let rc = unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;

@@ -313,7 +313,10 @@ impl Inner {
     fn fill_slots(&self, slots: Vec<(BlockId, usize, u32)>) {
         let n = slots.len() as u64;
         let shards = self.slot_shards(slots.iter().copied());
-        let filled = self.backend.load(shards).and_then(|t| self.backend.wait(t));
+        let filled = self
+            .backend
+            .load_in_background(shards)
+            .and_then(|t| self.backend.wait(t));
         if filled.is_ok() {
             add(&self.c.fills_after_load, n);
         }

@@ -38,7 +38,12 @@ impl Prefault {
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
             .name("ucm-cache-prefault".into())
-            .spawn(move || populate(&inner, &flag))
+            .spawn(move || {
+                // The first request may arrive before the commit is done:
+                // zeroing pages must not take the CPU its forward pass needs.
+                crate::task::lower_own_priority();
+                populate(&inner, &flag)
+            })
             .map_err(|e| UcmError::os("spawn thread", "ucm-cache-prefault", e))?;
         Ok(Prefault {
             stop,

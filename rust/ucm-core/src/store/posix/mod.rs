@@ -130,6 +130,8 @@ pub struct PosixStore {
     shared: Arc<Shared>,
     runtime: Mutex<Option<Runtime>>,
     closed: AtomicBool,
+    /// Runs [`Store::load_in_background`] on the caller's thread.
+    inline: Arc<dyn IoEngine>,
 }
 
 impl PosixStore {
@@ -413,6 +415,28 @@ impl Store for PosixStore {
 
     fn load(&self, shards: Vec<ShardIo>) -> Result<TaskId> {
         self.submit("load", shards)
+    }
+
+    /// Reads on the calling thread, one run at a time, so the copy runs at
+    /// the caller's priority (a cache's nice-19 fill thread) and holds at
+    /// most one of the store's in-flight slots: it never starves the I/O
+    /// threads' loads on a machine with few cores.
+    fn load_in_background(&self, shards: Vec<ShardIo>) -> Result<TaskId> {
+        self.check_shards(&shards)?;
+        if self.closed.load(Ordering::Acquire) {
+            return Err(UcmError::Closed);
+        }
+        let task = self.shared.tasks.create("load", shards.len());
+        for run in load_runs(shards) {
+            if self.closed.load(Ordering::Acquire) {
+                for _ in 0..run.len() {
+                    task.complete_unit(Err(UcmError::Closed));
+                }
+                continue;
+            }
+            self.shared.start_load_run(&self.inline, &task, run);
+        }
+        Ok(task.id())
     }
 
     fn dump(&self, shards: Vec<ShardIo>, _prerequisite: u64) -> Result<TaskId> {

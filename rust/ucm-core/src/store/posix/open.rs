@@ -16,7 +16,7 @@ use super::spare::SparePool;
 use super::{evict, scan, trust, work};
 use super::{CommitJob, Counters, Durability, PosixConfig, PosixStore, Runtime, Shared};
 use crate::error::{Result, UcmError};
-use crate::io::{build_engine, AlignedBuf, IoEngine, IoEngineConfig, IoEngineKind};
+use crate::io::{build_engine, AlignedBuf, InlineEngine, IoEngine, IoEngineConfig, IoEngineKind};
 use crate::store::format::layout::{Layout, REGION_ALIGN};
 use crate::task::{TaskRegistry, WorkerPool};
 
@@ -63,6 +63,8 @@ impl PosixStore {
             shared,
             runtime: Mutex::new(Some(runtime)),
             closed: AtomicBool::new(false),
+            // Headers only: runs read straight into aligned cache slots.
+            inline: Arc::new(InlineEngine::new(1 << 20)),
         })
     }
 }
