@@ -279,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     save_m = saver.metrics()
     saver.close()  # flushes the saves
     plain.close()
+    # The kernel writes the saved files' dirty pages back some seconds
+    # later, on these same 2 cores: whichever fresh engine came first would
+    # pay for it. Written back now, every pipeline loads on a quiet machine.
+    os.sync()
 
     # 2. Fresh engines (new processes) load prompt 0 from UCM: from memory (the
     #    saving engine's files are in the page cache), and off the disk after
