@@ -60,6 +60,19 @@ impl Index {
         }
     }
 
+    /// [`Index::touch`] of many blocks under one lock and one recency
+    /// stamp: sets `found[i]` for each present `blocks[i]`.
+    pub fn touch_all(&self, blocks: &[BlockId], found: &mut [bool]) {
+        let stamp = self.tick();
+        let map = self.map.read();
+        for (block, found) in blocks.iter().zip(found.iter_mut()) {
+            if let Some(e) = map.get(block) {
+                e.last_use.store(stamp, Ordering::Relaxed);
+                *found = true;
+            }
+        }
+    }
+
     /// True if present, without touching recency.
     pub fn contains(&self, block: &BlockId) -> bool {
         self.map.read().contains_key(block)
@@ -178,6 +191,18 @@ mod tests {
 
     fn id(n: u8) -> BlockId {
         BlockId([n; 16])
+    }
+
+    #[test]
+    fn touch_all_finds_the_present_blocks_and_makes_them_most_recent() {
+        let idx = Index::default();
+        for n in 0..4 {
+            idx.insert(id(n), 10, None, 0);
+        }
+        let mut found = [false; 3];
+        idx.touch_all(&[id(0), id(9), id(1)], &mut found);
+        assert_eq!(found, [true, false, true]);
+        assert_eq!(idx.coldest(15), vec![id(2), id(3)]);
     }
 
     #[test]

@@ -233,11 +233,10 @@ impl Shared {
     /// (the listing is taken now, not cached).
     fn present_all(&self, ids: &[BlockId]) -> Vec<bool> {
         let mut out = vec![false; ids.len()];
+        self.index.touch_all(ids, &mut out);
         let mut misses: std::collections::HashMap<PathBuf, Vec<usize>> = Default::default();
         for (i, id) in ids.iter().enumerate() {
-            if self.index.touch(id) {
-                out[i] = true;
-            } else {
+            if !out[i] {
                 misses.entry(self.paths.dir(id)).or_default().push(i);
             }
         }
