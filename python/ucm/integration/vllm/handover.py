@@ -54,6 +54,16 @@ def tail_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def prompt_tail_key(
+    ids: Sequence[bytes], tokens: Sequence[int], namespace: str, block_size: int, end: int
+) -> bytes:
+    """:func:`tail_key` of the partial block ending a prompt of ``end``
+    tokens, chained to its last full block's id in ``ids``."""
+    full = end // block_size
+    parent = ids[full - 1] if full else namespace.encode()
+    return tail_key(parent, tokens[full * block_size : end])
+
+
 def wants_handover(request: Any) -> bool:
     """Whether the request asks this (prefill) engine to hand its KV over."""
     params = getattr(request, "kv_transfer_params", None)
@@ -128,9 +138,8 @@ class Handover:
         if len(keys) < self.blocks:
             return None
         if self.tail_tokens:
-            start = self.blocks * block_size
-            parent = keys[-1] if keys else namespace.encode()
-            keys.append(tail_key(parent, tokens[start : start + self.tail_tokens]))
+            end = self.blocks * block_size + self.tail_tokens
+            keys.append(prompt_tail_key(keys, tokens, namespace, block_size, end))
         return keys if keys and keys[-1] == self.last_block else None
 
 
@@ -138,4 +147,4 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-__all__ = ["Handover", "tail_key", "wants_handover"]
+__all__ = ["Handover", "prompt_tail_key", "tail_key", "wants_handover"]

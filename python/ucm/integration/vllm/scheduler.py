@@ -31,7 +31,7 @@ import numpy as np
 
 from ucm.hashing import block_ids
 from ucm.integration.vllm.config import ResolvedConfig
-from ucm.integration.vllm.handover import Handover, tail_key, wants_handover
+from ucm.integration.vllm.handover import Handover, prompt_tail_key, wants_handover
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.request_control import RequestControl
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
@@ -406,8 +406,9 @@ class UCMSchedulerSide:
             return
         st.handover_at = prompt
         if prompt % B:
-            parent = st.keys[full - 1] if full else (self.hash_namespace(request) or "").encode()
-            st.tail = tail_key(parent, (request.prompt_token_ids or [])[full * B : prompt])
+            tokens = request.prompt_token_ids or []
+            namespace = self.hash_namespace(request) or ""
+            st.tail = prompt_tail_key(st.keys, tokens, namespace, B, prompt)
 
     # -- per-step plan -----------------------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
