@@ -15,6 +15,7 @@ import pytest
 # asks otherwise; it must be set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from support.mooncake_server import MooncakeCluster
 from support.servers import MotoServer, NfsServer
 from support.store_helpers import base_config
 
@@ -41,6 +42,18 @@ def nfs() -> Iterator[NfsServer]:
         pytest.skip(f"no NFS server: {e}")
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake() -> Iterator[MooncakeCluster]:
+    """A Mooncake master and store service on two private hosts, shared by
+    the session's tests (each uses its own key prefix)."""
+    try:
+        cluster = MooncakeCluster()
+    except FileNotFoundError as e:
+        pytest.skip(f"no Mooncake cluster: {e}")
+    yield cluster
+    cluster.close()
 
 
 @pytest.fixture

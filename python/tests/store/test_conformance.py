@@ -1,14 +1,16 @@
 """One conformance suite, run against every store backend: the built-in
-Posix store (both I/O engines, O_DIRECT on and off), the Empty store, a
-store written in Python registered through the factory, and the Cache tier
-composed over each of them (``Cache|Posix``, ``Cache|Empty`` -- a memory-only
-store -- and ``Cache|TestDictStore``).
+Posix store (both I/O engines, O_DIRECT on and off), the Empty store, the
+Mooncake store (a real master and store service, see ``mooncake_server``),
+a store written in Python registered through the factory, and the Cache
+tier composed over each of them (``Cache|Posix``, ``Cache|Empty`` -- a
+memory-only store -- ``Cache|Mooncake`` and ``Cache|TestDictStore``).
 
 Capability differences are data (``keeps_data``), not skipped tests.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +43,12 @@ BACKENDS = [
     Backend("posix-psync-direct"),
     Backend("empty", keeps_data=False, knows_layout=False),
     Backend("python-dict"),
+    Backend("mooncake"),
     Backend("cache-posix"),
     Backend("cache-posix-sync"),
     Backend("cache-empty"),
     Backend("cache-python-dict"),
+    Backend("cache-mooncake"),
 ]
 
 CACHE_KEYS = {"cache_buffer_capacity_gb": 0.02, "write_back_interval": 0.01}
@@ -64,7 +68,16 @@ def backend(
     b: Backend = request.param
     root = tmp_path / "store"
     root.mkdir()
-    if b.name.startswith("posix"):
+    if "mooncake" in b.name:
+        cluster = request.getfixturevalue("mooncake")
+        pipeline = "Cache|Mooncake" if b.name.startswith("cache") else "Mooncake"
+        cfg = base_config(root, store_pipeline=pipeline, **cluster.store_keys(uuid.uuid4().hex))
+        del cfg["storage_backends"]
+        if b.name.startswith("cache"):
+            cfg.update(CACHE_KEYS)
+        with cluster.on_host(0):
+            store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+    elif b.name.startswith("posix"):
         cfg = base_config(root, io_engine=b.name.split("-")[1], io_direct=b.name.endswith("direct"))
         store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
     elif b.name == "empty":

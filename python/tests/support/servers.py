@@ -102,6 +102,22 @@ def wait_stopped(pid: int, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def joined_netns(netns: str) -> Iterator[None]:
+    """Runs the block with the calling thread in the network namespace
+    ``netns`` (a ``/proc/<pid>/ns/net`` path); threads started meanwhile
+    stay there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/proc/self/task/{threading.get_native_id()}/ns/net") as home:
+        with open(netns) as target:
+            if libc.setns(target.fileno(), CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns")
+        try:
+            yield
+        finally:
+            libc.setns(home.fileno(), CLONE_NEWNET)
+
+
 def _port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -319,19 +335,10 @@ class NfsServer:
     def url(self, sub: str = "") -> str:
         return f"nfs://127.0.0.1{self.export}/{sub}".rstrip("/")
 
-    @contextlib.contextmanager
-    def in_netns(self) -> Iterator[None]:
+    def in_netns(self) -> contextlib.AbstractContextManager[None]:
         """Runs the block with the calling thread in the server's network
         namespace (threads started meanwhile stay there)."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        with open(f"/proc/self/task/{threading.get_native_id()}/ns/net") as home:
-            with open(self.netns) as target:
-                if libc.setns(target.fileno(), CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns")
-            try:
-                yield
-            finally:
-                libc.setns(home.fileno(), CLONE_NEWNET)
+        return joined_netns(self.netns)
 
     def start_ganesha(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -1,7 +1,8 @@
 """``UcmPipelineStore``: the built-in stores behind the common API.
 
-``store_pipeline`` names the stages top to bottom: ``"Posix"``, ``"Empty"``,
-``"Cache|Posix"``, ``"Cache|Empty"``, or ``"Cache|<name>"`` where ``<name>``
+``store_pipeline`` names the stages top to bottom: ``"Posix"``, ``"S3"``,
+``"NFS"``, ``"Mooncake"``, ``"Empty"``, a ``Cache`` over any of them
+(``"Cache|Posix"``, ``"Cache|Mooncake"``...), or ``"Cache|<name>"`` where ``<name>``
 is a store registered through :class:`~ucm.store.factory.UcmConnectorFactory`
 (a :class:`~ucm.store.base.UcmKVStoreBase` subclass written in Python).
 
@@ -30,6 +31,21 @@ def _open_stage(cfg: StageConfig, backend: Any = None) -> _native.NativeStore:
     """Opens a built-in stage (a ``Cache`` over ``backend``) in the core,
     which checks the keys again as it builds the store."""
     return _native.NativeStore.open_stage(cfg.name, dict(cfg.values), backend)
+
+
+def _open_bottom(cfg: StageConfig) -> _native.NativeStore:
+    """Opens the bottom stage; a Mooncake stage first joins its pool with
+    Mooncake's own client, which the core then calls."""
+    if stage_schemas()[cfg.name].name != "Mooncake":
+        return _open_stage(cfg)
+    from ucm.store.mooncake import MooncakePool
+
+    pool = MooncakePool.connect(cfg)
+    try:
+        return _open_stage(cfg, pool)
+    except BaseException:
+        pool.close()
+        raise
 
 
 def _check_geometry(stages: list[tuple[str, Any]]) -> None:
@@ -67,7 +83,7 @@ class UcmPipelineStore(UcmKVStoreBase):
         _check_geometry(stages)
         bottom_name, bottom_cfg = stages[-1]
         if bottom_name in stage_schemas():
-            native: Any = _open_stage(bottom_cfg)
+            native: Any = _open_bottom(bottom_cfg)
         else:
             if len(stages) == 1:
                 raise InvalidParamError(

@@ -111,6 +111,7 @@ fn check_stage<'py>(
         "Cache" => ucm_core::store::CacheConfig::from_values(&v).map(drop),
         "S3" => ucm_core::store::s3::S3Config::from_values(&v).map(drop),
         "NFS" => ucm_core::store::nfs::NfsConfig::from_values(&v).map(drop),
+        "Mooncake" => ucm_core::store::mooncake::MooncakeConfig::from_values(&v).map(drop),
         _ => Ok(()),
     };
     built.map_err(|e| to_py(e.into()))?;
@@ -179,8 +180,17 @@ fn config_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     Ok(out)
 }
 
+/// Expands `${VAR}` and `${VAR:-default}` in the value of `key` as every
+/// stage does when it opens (for keys the Python side reads itself).
+/// Raises `InvalidParamError` naming the key for an unset variable.
+#[pyfunction]
+fn expand_env(key: &str, value: &str) -> PyResult<String> {
+    ucm_core::store::remote::expand_env(key, value).map_err(to_py)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_stage, m)?)?;
+    m.add_function(wrap_pyfunction!(expand_env, m)?)?;
     m.add_function(wrap_pyfunction!(config_schema, m)?)?;
     Ok(())
 }

@@ -11,6 +11,7 @@ mod config;
 mod errors;
 mod hashing;
 mod maintain;
+mod mooncake_client;
 mod py_stage;
 mod store;
 

@@ -27,6 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use ucm_core::config::Geometry;
 use ucm_core::store::cache::CacheConfig;
+use ucm_core::store::mooncake::{MooncakeConfig, MooncakeStore};
 use ucm_core::store::nfs::{NfsConfig, NfsStore};
 use ucm_core::store::s3::{S3Config, S3Store};
 use ucm_core::store::{CacheStore, EmptyStore, PosixConfig, PosixStore, Store};
@@ -334,7 +335,9 @@ impl PyStore {
     /// `backend`: another `NativeStore` (which the cache then owns: it is
     /// closed with the cache) or any Python store object
     /// (`UcmKVStoreBase`), called back with the GIL for misses and
-    /// write-backs in the row layout of the cache's `tensor_size_list`.
+    /// write-backs in the row layout of the cache's `tensor_size_list`. A
+    /// `Mooncake` stage takes its client as `backend`
+    /// (`ucm.store.mooncake.MooncakePool`).
     #[staticmethod]
     #[pyo3(signature = (stage, values, backend=None))]
     fn open_stage(
@@ -361,6 +364,16 @@ impl PyStore {
                 let cfg = NfsConfig::from_values(&v).map_err(cfg_err)?;
                 plain(Arc::new(py.detach(|| NfsStore::open(cfg)).py_err()?))
             }
+            ("Mooncake", Some(client)) => {
+                let cfg = MooncakeConfig::from_values(&v).map_err(cfg_err)?;
+                let client = Arc::new(crate::mooncake_client::PyPoolClient::new(client)?);
+                plain(Arc::new(
+                    py.detach(|| MooncakeStore::open(cfg, client)).py_err()?,
+                ))
+            }
+            ("Mooncake", None) => Err(invalid(
+                "the Mooncake stage needs its client (ucm.store.mooncake opens it)",
+            )),
             ("Cache", Some(backend)) => {
                 let cfg = CacheConfig::from_values(&v).map_err(cfg_err)?;
                 let sizes = Geometry::from_values(&v).map_err(cfg_err)?.tensor_size_list;

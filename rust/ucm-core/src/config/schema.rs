@@ -195,6 +195,12 @@ static STAGES: &[Stage] = &[
         groups: &[GEOMETRY, crate::store::nfs::KEYS, COMMON],
     },
     Stage {
+        name: "Mooncake",
+        aliases: &["MooncakeStore"],
+        doc: "One object per block in a Mooncake Store pool (cluster-wide DRAM).",
+        groups: &[GEOMETRY, crate::store::mooncake::KEYS, COMMON],
+    },
+    Stage {
         name: "Empty",
         aliases: &[],
         doc: "Keeps nothing: every lookup misses (for tests and baselines).",

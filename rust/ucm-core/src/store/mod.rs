@@ -16,6 +16,7 @@ pub mod cache;
 pub mod empty;
 pub mod format;
 pub mod maintain;
+pub mod mooncake;
 pub mod nfs;
 pub mod pipeline;
 pub mod posix;

@@ -25,6 +25,7 @@ pub mod breaker;
 pub mod env;
 pub mod lookup;
 pub mod runtime;
+pub mod staging;
 
 pub use breaker::Breaker;
 pub use env::expand_env;

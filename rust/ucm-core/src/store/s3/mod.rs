@@ -33,7 +33,7 @@
 //! after twice `timeout_ms` of inactivity. As in the Posix store, a shard's
 //! unit completes when its bytes are staged; the unit that completes a
 //! block completes when the PUT did, with its outcome. (Staging and
-//! uploads: `staging`.)
+//! uploads: `remote::staging`.)
 //!
 //! # Lookups
 //!
@@ -58,7 +58,6 @@
 
 pub mod config;
 pub mod maintain;
-mod staging;
 
 pub use config::{S3Config, S3Location, KEYS};
 pub use maintain::S3Maintenance;
@@ -70,12 +69,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjPath;
-use object_store::{BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
-use parking_lot::Mutex;
+use object_store::{
+    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+};
 
-use self::staging::{Staged, Upload};
+use super::remote::staging::{self, Stager, Uploader};
 use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
-use crate::block::IdMap;
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::store::format::codec::is_layout_mismatch;
@@ -87,10 +86,7 @@ use crate::store::remote::{run_blocking, Breaker, LookupCache, Runtime};
 struct Counters {
     gets: AtomicU64,
     puts: AtomicU64,
-    blocks_uploaded: AtomicU64,
-    upload_failures: AtomicU64,
     request_errors: AtomicU64,
-    stale_dropped: AtomicU64,
 }
 
 /// The S3 side of an [`S3Store`]: the bucket client, the staging of
@@ -104,10 +100,7 @@ pub struct S3Backend {
     client: Arc<AmazonS3>,
     prefix: ObjPath,
     limiter: tokio::sync::Semaphore,
-    staging: Mutex<IdMap<Arc<Mutex<Staged>>>>,
-    uploads: Mutex<IdMap<Upload>>,
-    staged_bytes: AtomicU64,
-    room: tokio::sync::Notify,
+    stager: Stager,
     counters: Counters,
 }
 
@@ -268,10 +261,7 @@ impl S3Backend {
             core,
             location: format!("s3://{}/{}", loc.bucket, loc.prefix),
             limiter: tokio::sync::Semaphore::new(cfg.max_concurrency),
-            staging: Mutex::new(IdMap::default()),
-            uploads: Mutex::new(IdMap::default()),
-            staged_bytes: AtomicU64::new(0),
-            room: tokio::sync::Notify::new(),
+            stager: Stager::new(cfg.staging_bytes),
             counters: Counters::default(),
             client,
             prefix,
@@ -439,16 +429,16 @@ impl RemoteBackend for S3Backend {
     }
 
     async fn dump_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
-        self.stage(block, shards).await
+        staging::stage(self, block, shards).await
     }
 
     fn before_shutdown(self: &Arc<Self>) {
         // Let uploads already started finish (bounded by their timeouts).
         let until = Instant::now() + Duration::from_millis(self.cfg.timeout_ms.max(1000));
-        while !self.uploads.lock().is_empty() && Instant::now() < until {
+        while self.stager.uploading() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let partial = self.staging.lock().len();
+        let partial = self.stager.partial_blocks();
         if partial > 0 {
             log::warn!(
                 "S3 store closed with {partial} partially dumped block(s); they are dropped"
@@ -460,14 +450,25 @@ impl RemoteBackend for S3Backend {
         let c = &self.counters;
         put("get_requests", c.gets.load(Ordering::Relaxed));
         put("put_requests", c.puts.load(Ordering::Relaxed));
-        put("blocks_uploaded", c.blocks_uploaded.load(Ordering::Relaxed));
-        put("upload_failures", c.upload_failures.load(Ordering::Relaxed));
         put("request_errors", c.request_errors.load(Ordering::Relaxed));
-        put(
-            "stale_staged_dropped",
-            c.stale_dropped.load(Ordering::Relaxed),
-        );
-        put("staged_blocks", self.staging.lock().len() as u64);
-        put("staged_bytes", self.staged_bytes.load(Ordering::Relaxed));
+        self.stager.add_stats(put);
+    }
+}
+
+impl Uploader for S3Backend {
+    fn stager(&self) -> &Stager {
+        &self.stager
+    }
+
+    /// One PUT of the whole block.
+    async fn put_block(self: Arc<Self>, block: BlockId, buf: Vec<u8>) -> Result<()> {
+        let path = self.path(&block);
+        let _permit = self.limiter.acquire().await;
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        self.client
+            .put(&path, PutPayload::from(Bytes::from(buf)))
+            .await
+            .map(|_| ())
+            .map_err(|e| self.note_err("PUT", &self.url_of(&block), e))
     }
 }

@@ -1,0 +1,374 @@
+//! The Mooncake store: blocks in a Mooncake Store pool, the cluster-wide
+//! DRAM tier that many engines on many hosts lend memory to and share.
+//!
+//! # Objects
+//!
+//! One object per block under `<mooncake_key_prefix>/<block id hex>`, byte
+//! for byte a Posix block file ([`codec`]): every shard carries its header
+//! and checksum, so a corrupt, truncated or foreign value is a load error,
+//! never wrong bytes. A put makes an object visible whole, so layer-wise
+//! dumps are staged per block and put when their last shard arrives
+//! ([`staging`], as for S3). Mooncake reads whole objects: a load fetches
+//! the block into a registered slot ([`arena`]) and verifies the shards it
+//! needs before copying them out.
+//!
+//! # Failures
+//!
+//! The pool forgets: the master evicts under memory pressure and loses
+//! everything when it restarts. Such a block is simply absent (lookups miss
+//! after `mooncake_lookup_cache_ttl_ms`; a load fails with `NotFound` and
+//! the engine recomputes). A full pool fails the dump with `NoSpace`. A
+//! master that does not answer (Mooncake's RPC errors) opens the
+//! [`Breaker`]: lookups answer "absent" and transfers fail at once until it
+//! answers again; the client reconnects on its own.
+//!
+//! [`codec`]: crate::store::format::codec
+//! [`staging`]: crate::store::remote::staging
+//! [`Breaker`]: crate::store::remote::Breaker
+
+pub mod arena;
+pub mod client;
+pub mod config;
+
+pub use client::{Buf, PoolClient};
+pub use config::{MooncakeConfig, KEYS};
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use self::arena::{Arena, SlotBytes};
+use self::client::CallPool;
+use super::remote::staging::{self, Stager, Uploader};
+use super::remote::{Breaker, LookupCache, RemoteBackend, RemoteCore, RemoteStore, Runtime};
+use crate::block::{BlockId, ShardIo};
+use crate::error::{Damage, Result, UcmError};
+use crate::store::format::codec::is_layout_mismatch;
+use crate::store::format::layout::Layout;
+
+/// Mooncake's `ErrorCode`s the store tells apart.
+mod code {
+    pub const NO_AVAILABLE_HANDLE: i64 = -200;
+    pub const INVALID_PARAMS: i64 = -600;
+    pub const REPLICA_IS_NOT_READY: i64 = -703;
+    pub const OBJECT_NOT_FOUND: i64 = -704;
+    pub const OBJECT_ALREADY_EXISTS: i64 = -705;
+    pub const LEASE_EXPIRED: i64 = -707;
+    pub const RPC_FAIL: i64 = -900;
+    pub const RPC_TIMEOUT: i64 = -901;
+}
+
+/// Failures that Mooncake reports before a transfer starts or after it
+/// ended: the slot is safe to reuse. After any other failure the transfer
+/// engine may still be using it.
+fn slot_is_safe_after(rc: i64) -> bool {
+    rc >= 0
+        || matches!(
+            rc,
+            code::NO_AVAILABLE_HANDLE
+                | code::INVALID_PARAMS
+                | code::REPLICA_IS_NOT_READY
+                | code::OBJECT_NOT_FOUND
+                | code::OBJECT_ALREADY_EXISTS
+                | code::LEASE_EXPIRED
+                | code::RPC_FAIL
+                | code::RPC_TIMEOUT
+        )
+}
+
+/// Counters of the Mooncake backend (the shell counts lookups and loads).
+#[derive(Default)]
+struct Counters {
+    gets: AtomicU64,
+    puts: AtomicU64,
+    pool_full: AtomicU64,
+    request_errors: AtomicU64,
+}
+
+/// The Mooncake side of a [`MooncakeStore`].
+pub struct MooncakeBackend {
+    core: RemoteCore,
+    cfg: MooncakeConfig,
+    location: String,
+    calls: CallPool,
+    arena: Arc<Arena>,
+    stager: Stager,
+    counters: Counters,
+}
+
+/// Blocks in a Mooncake Store pool.
+pub type MooncakeStore = RemoteStore<MooncakeBackend>;
+
+impl RemoteStore<MooncakeBackend> {
+    /// A store over `client`, a Mooncake client already set up (joined to
+    /// the pool) by the caller. Registers the staging memory with it.
+    pub fn open(cfg: MooncakeConfig, client: Arc<dyn PoolClient>) -> Result<Self> {
+        let cfg = cfg.resolved()?;
+        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        let block = layout.file_len() as usize;
+        // Transfers in flight need a slot each; half the staging budget
+        // again, and at least two per thread, so puts and gets never wait
+        // on each other for long.
+        let slots = ((cfg.staging_bytes / 2) as usize / block).max(2 * cfg.max_concurrency);
+        let arena = Arena::new(block, slots)?;
+        client.register(arena.whole()).map_err(|e| {
+            UcmError::TaskFailed(format!(
+                "Mooncake store: could not register {} bytes of staging memory with the \
+                 client: {e}",
+                arena.whole().len
+            ))
+        })?;
+        let unregister = client.clone();
+        arena.on_free(Box::new(move |addr| unregister.unregister(addr)));
+        let runtime = Runtime::new("ucm-mooncake-rt", 1)?;
+        let calls = CallPool::start(client, cfg.max_concurrency)?;
+        let core = RemoteCore::new(
+            layout,
+            runtime.handle(),
+            LookupCache::new(
+                Duration::from_millis(cfg.lookup_cache_ttl_ms),
+                Duration::from_millis(cfg.negative_cache_ttl_ms),
+                1 << 20,
+            ),
+            Arc::new(Breaker::default()),
+            cfg.timeout_ms,
+            cfg.max_concurrency,
+            cfg.transfers_enabled(),
+        );
+        let backend = MooncakeBackend {
+            core,
+            location: format!("mooncake://{}/{}", cfg.master, cfg.key_prefix),
+            stager: Stager::new(cfg.staging_bytes),
+            counters: Counters::default(),
+            calls,
+            arena,
+            cfg,
+        };
+        log::info!(
+            "Mooncake store over {} ({slots} registered slots of {block} bytes)",
+            backend.location
+        );
+        Ok(RemoteStore::new(Arc::new(backend), runtime))
+    }
+
+    /// The pool key of a block (for tools and tests).
+    pub fn object_key(&self, id: &BlockId) -> String {
+        self.backend().key(id)
+    }
+}
+
+impl MooncakeBackend {
+    fn key(&self, id: &BlockId) -> String {
+        if self.cfg.key_prefix.is_empty() {
+            id.hex()
+        } else {
+            format!("{}/{}", self.cfg.key_prefix, id.hex())
+        }
+    }
+
+    /// The error of a failed call on `what`; transport failures open the
+    /// breaker.
+    fn failure(&self, op: &str, what: &str, rc: i64) -> UcmError {
+        let transport = matches!(rc, code::RPC_FAIL | code::RPC_TIMEOUT);
+        let msg = format!(
+            "Mooncake {op} of {what} at {}: {}",
+            self.cfg.master,
+            describe(rc)
+        );
+        let err = match rc {
+            code::OBJECT_NOT_FOUND | code::LEASE_EXPIRED => UcmError::NotFound(msg),
+            code::NO_AVAILABLE_HANDLE => {
+                self.counters.pool_full.fetch_add(1, Ordering::Relaxed);
+                UcmError::NoSpace(msg)
+            }
+            code::RPC_TIMEOUT => UcmError::Timeout(msg),
+            _ => UcmError::TaskFailed(msg),
+        };
+        if transport {
+            self.counters.request_errors.fetch_add(1, Ordering::Relaxed);
+            self.core.breaker.trip(&err.to_string());
+        }
+        err
+    }
+
+    /// The error of a call the client raised on.
+    fn raised(&self, op: &str, what: &str, e: UcmError) -> UcmError {
+        self.counters.request_errors.fetch_add(1, Ordering::Relaxed);
+        let err = UcmError::TaskFailed(format!("Mooncake {op} of {what}: {e}"));
+        self.core.breaker.trip(&err.to_string());
+        err
+    }
+}
+
+/// A Mooncake code in words.
+fn describe(rc: i64) -> String {
+    let what = match rc {
+        code::NO_AVAILABLE_HANDLE => {
+            "the pool is full (no segment has room; the master evicts at its high watermark)"
+        }
+        code::INVALID_PARAMS => "invalid parameters (a value of another size?)",
+        code::REPLICA_IS_NOT_READY => "the object is still being written",
+        code::OBJECT_NOT_FOUND => {
+            "no such object (never written, evicted, or the master restarted)"
+        }
+        code::OBJECT_ALREADY_EXISTS => "the object already exists",
+        code::LEASE_EXPIRED => "the object's lease expired during the read",
+        code::RPC_FAIL => "the master did not answer",
+        code::RPC_TIMEOUT => "the master timed out",
+        _ => "error",
+    };
+    format!("{what} (code {rc})")
+}
+
+/// The one code of a one-key call.
+fn single(codes: Vec<i64>) -> i64 {
+    codes.first().copied().unwrap_or(code::INVALID_PARAMS)
+}
+
+impl RemoteBackend for MooncakeBackend {
+    const NAME: &'static str = "Mooncake";
+    const PROBE_STAT: &'static str = "size_queries";
+    type Region = SlotBytes;
+
+    fn core(&self) -> &RemoteCore {
+        &self.core
+    }
+
+    fn location(&self) -> &str {
+        &self.location
+    }
+
+    async fn size_of(&self, id: &BlockId) -> Result<Option<u64>> {
+        let key = self.key(id);
+        let what = format!("block {id}");
+        let rc = self
+            .calls
+            .call(move |c| c.sizes(&[key]).map(single))
+            .await?
+            .map_err(|e| self.raised("size query", &what, e))?;
+        match rc {
+            n if n >= 0 => Ok(Some(n as u64)),
+            code::OBJECT_NOT_FOUND | code::REPLICA_IS_NOT_READY => Ok(None),
+            rc => Err(self.failure("size query", &what, rc)),
+        }
+    }
+
+    /// Fetches the whole object into a slot (Mooncake has no partial read
+    /// in its TCP path) and hands out the asked range.
+    async fn read(&self, id: &BlockId, offset: u64, len: usize) -> Result<SlotBytes> {
+        let key = self.key(id);
+        let slot = self.arena.acquire().await;
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        let outcome = self
+            .calls
+            .call(move |c| {
+                let r = c.get_into(&[key], &[slot.buf()]).map(single);
+                match r {
+                    Ok(rc) if !slot_is_safe_after(rc) => {
+                        slot.poison();
+                        (None, r)
+                    }
+                    Err(_) => {
+                        slot.poison();
+                        (None, r)
+                    }
+                    _ => (Some(slot), r),
+                }
+            })
+            .await?;
+        let what = format!("block {id}");
+        match outcome {
+            (Some(slot), Ok(n)) if n >= 0 => {
+                // A shorter object reads as a truncated block below.
+                let end = (n as usize).min(slot.buf().len);
+                let start = (offset as usize).min(end);
+                Ok(SlotBytes::new(slot, start, len.min(end - start)))
+            }
+            (_, Ok(code::INVALID_PARAMS)) => Err(UcmError::Corrupt {
+                block: Some(*id),
+                shard: None,
+                damage: Damage::Truncated,
+                detail: format!(
+                    "{what} in {}: the stored value is larger than a block of this layout",
+                    self.location
+                ),
+            }),
+            (_, Ok(rc)) => Err(self.failure("get", &what, rc)),
+            (_, Err(e)) => Err(self.raised("get", &what, e)),
+        }
+    }
+
+    async fn discard_corrupt(&self, id: &BlockId, e: &UcmError) {
+        if !is_layout_mismatch(e) {
+            log::warn!("{e}; removing {} from the pool", self.key(id));
+            let key = self.key(id);
+            let _ = self.calls.call(move |c| c.remove(&[key])).await;
+        }
+    }
+
+    async fn dump_group(self: Arc<Self>, block: BlockId, shards: Vec<ShardIo>) -> Result<()> {
+        staging::stage(self, block, shards).await
+    }
+
+    fn before_shutdown(self: &Arc<Self>) {
+        let until = Instant::now() + Duration::from_millis(self.cfg.timeout_ms.max(1000));
+        while self.stager.uploading() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let partial = self.stager.partial_blocks();
+        if partial > 0 {
+            log::warn!(
+                "Mooncake store closed with {partial} partially dumped block(s); they are dropped"
+            );
+        }
+        self.calls.shutdown(Duration::from_millis(
+            self.cfg.timeout_ms.clamp(1000, 10_000),
+        ));
+    }
+
+    fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {
+        let c = &self.counters;
+        put("get_requests", c.gets.load(Ordering::Relaxed));
+        put("put_requests", c.puts.load(Ordering::Relaxed));
+        put("pool_full", c.pool_full.load(Ordering::Relaxed));
+        put("request_errors", c.request_errors.load(Ordering::Relaxed));
+        put("poisoned_slots", self.arena.poisoned());
+        self.stager.add_stats(put);
+    }
+}
+
+impl Uploader for MooncakeBackend {
+    fn stager(&self) -> &Stager {
+        &self.stager
+    }
+
+    /// Copies the block into a registered slot and puts it.
+    async fn put_block(self: Arc<Self>, block: BlockId, buf: Vec<u8>) -> Result<()> {
+        let mut slot = self.arena.acquire().await;
+        slot.bytes_mut()[..buf.len()].copy_from_slice(&buf);
+        let len = buf.len();
+        drop(buf);
+        let key = self.key(&block);
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        let r = self
+            .calls
+            .call(move |c| {
+                let b = Buf {
+                    addr: slot.buf().addr,
+                    len,
+                };
+                let r = c.put_from(&[key], &[b]).map(single);
+                if !matches!(r, Ok(rc) if slot_is_safe_after(rc)) {
+                    slot.poison();
+                }
+                r
+            })
+            .await?;
+        let what = format!("block {block}");
+        match r {
+            Ok(rc) if rc >= 0 || rc == code::OBJECT_ALREADY_EXISTS => Ok(()),
+            Ok(rc) => Err(self.failure("put", &what, rc)),
+            Err(e) => Err(self.raised("put", &what, e)),
+        }
+    }
+}
