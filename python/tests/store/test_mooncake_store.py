@@ -13,6 +13,7 @@ at start-up (a clear error within ``timeout_ms``) and config validation.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -331,3 +332,102 @@ def test_config_validation_names_the_key(
         round_trip(store)
     finally:
         store.close()
+
+
+@pytest.mark.vllm  # starts vLLM engines: the slow tier
+def test_two_vllm_engines_on_two_hosts_share_one_pool(
+    mooncake: MooncakeCluster, tmp_path: Path
+) -> None:
+    """Two vLLM engines over ``Cache|Mooncake``, on two hosts: engine B hits
+    every full block engine A served, from the pool (B's own cache starts
+    empty), and its greedy tokens equal A's cold run."""
+    pytest.importorskip("vllm")
+    from support.servers import vllm_two_engines
+
+    prefix = uuid.uuid4().hex[:12]
+    ucm = {
+        "store_pipeline": "Cache|Mooncake",
+        **mooncake.store_keys(prefix),
+        "cache_buffer_capacity_gb": 0.05,
+    }
+    a, b = vllm_two_engines(
+        tmp_path, ucm, spawn_in=lambda name: mooncake.on_host(0 if name == "A" else 1)
+    )
+    assert a["cached"] == [0, 0]
+    assert b["tokens"] == a["tokens"]
+    bs = 32
+    assert b["cached"] == [len(p) // bs * bs for p in a["prompts"]]
+
+
+ROOT = Path(__file__).resolve().parents[3]
+ROUND_TRIP = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from support.remote_helpers import SHARD, SHARDS
+    from support.remote_scenarios import round_trip
+    from ucm.integration.vllm.config import CONFIG_FILE_KEY, resolve_config
+    from ucm.integration.vllm.store_handle import build_store_config
+    from ucm.store import UcmConnectorFactory
+    spec = resolve_config({CONFIG_FILE_KEY: sys.argv[2]}).store
+    geometry = {"block_size": SHARD * SHARDS, "shard_size": SHARD,
+                "tensor_size_list": [SHARD // 2, SHARD // 2]}
+    cfg = build_store_config(spec, geometry, device_id=0)
+    store = UcmConnectorFactory.create_connector(spec.name, cfg)
+    round_trip(store)
+    store.close()
+    print("ok")
+    """
+)
+
+
+def test_readme_mooncake_example(mooncake: MooncakeCluster) -> None:
+    """The README's Mooncake commands as they stand (the address and the
+    pool's size aside): its master and store service start, an engine
+    host's store opened from ``configs/ucm-vllm-mooncake.yaml`` with
+    ``MOONCAKE_MASTER`` round-trips blocks through them, and its
+    ``ucm serve`` line passes the connector's early checks."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from ucm.cli import main
+    from ucm.integration.vllm.plugin import check_early
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```bash\n")[1:]]
+    (block,) = [b for b in blocks if "mooncake_master" in b]
+    lines = [shlex.split(x) for x in block.splitlines() if x and not x.startswith("#")]
+    master, service, serve = (w[:-1] if w[-1] == "&" else w for w in lines)
+    addr = "10.0.0.5"
+
+    def local(words: list[str]) -> list[str]:
+        from support.mooncake_server import binary
+
+        words = [w.replace(addr, HOST_ADDRS[0]).replace("=4 GB", "=64 MB") for w in words]
+        return [binary(words[0]) or words[0], *words[1:]]
+
+    cluster = MooncakeCluster(master_cmd=local(master), service_cmd=local(service))
+    try:
+        env_word, *serve_words = serve
+        assert env_word == f"MOONCAKE_MASTER={addr}:50051"
+        config = serve_words[serve_words.index("--ucm-config") + 1]
+        out = subprocess.run(
+            cluster.nsenter(
+                1,
+                [sys.executable, "-c", ROUND_TRIP, str(Path(__file__).parents[1]), config],
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**os.environ, "MOONCAKE_MASTER": cluster.master_addr},
+        )
+        assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    finally:
+        cluster.close()
+    assert serve_words[:3] == ["ucm", "serve", "MODEL"]
+    res = CliRunner().invoke(main, ["serve", "--dry-run", *serve_words[2:]])
+    assert res.exit_code == 0, res.output
+    (line,) = [x for x in res.output.splitlines() if x.startswith("vllm ")]
+    check_early(shlex.split(line))

@@ -258,7 +258,7 @@ def test_two_vllm_engines_share_an_export(nfs: NfsServer, tmp_path: Path) -> Non
         "storage_backends": nfs.url("vllm"),
         "cache_buffer_capacity_gb": 0.05,
     }
-    a, b = vllm_two_engines(tmp_path, ucm, spawn_in=nfs.in_netns)
+    a, b = vllm_two_engines(tmp_path, ucm, spawn_in=lambda _: nfs.in_netns())
     assert a["cached"] == [0, 0]
     assert b["tokens"] == a["tokens"]
     bs = 32

@@ -31,10 +31,11 @@ from support.servers import find_binary, joined_netns, kill_process
 
 HOST_ADDRS = ("192.0.2.10", "192.0.2.11")
 MASTER_PORT = 50051
+SERVICE_PORT = 50052
 _HOLD = "ip link set lo up && echo ready && exec sleep infinity"
 
 
-def _bin(name: str) -> str | None:
+def binary(name: str) -> str | None:
     # The binaries come with the Python package, next to the interpreter.
     local = Path(sys.executable).parent / name
     return str(local) if local.exists() else find_binary(name)
@@ -45,12 +46,12 @@ def missing_requirements() -> str | None:
     if os.geteuid() != 0:
         return "Mooncake tests need root (network namespaces)"
     for b in ("mooncake_master", "mooncake_client"):
-        if _bin(b) is None:
+        if binary(b) is None:
             return f"{b} not found (pip install mooncake-transfer-engine-non-cuda)"
     for b in ("unshare", "nsenter", "ip"):
         if find_binary(b) is None:
             return f"{b} not found (apt-get install iproute2 util-linux)"
-    probe = subprocess.run([_bin("mooncake_master") or "", "--version"], capture_output=True)
+    probe = subprocess.run([binary("mooncake_master") or "", "--version"], capture_output=True)
     if b"libibverbs" in probe.stderr:
         return "mooncake_master needs libibverbs1 (apt-get install libibverbs1)"
     return None
@@ -59,12 +60,22 @@ def missing_requirements() -> str | None:
 class MooncakeCluster:
     """A master and one store service lending ``pool_mb`` MiB, on host 1."""
 
-    def __init__(self, pool_mb: int = 64, lease_ms: int = 200) -> None:
+    def __init__(
+        self,
+        pool_mb: int = 64,
+        lease_ms: int = 200,
+        master_cmd: list[str] | None = None,
+        service_cmd: list[str] | None = None,
+    ) -> None:
+        """``master_cmd`` / ``service_cmd``: other command lines for the two
+        servers (the README's), run on the first host as they are."""
         why = missing_requirements()
         if why:
             raise FileNotFoundError(why)
         self.pool_mb = pool_mb
         self.lease_ms = lease_ms
+        self.master_cmd = master_cmd
+        self.service_cmd = service_cmd
         self.dir = Path(tempfile.mkdtemp(prefix="ucm-mooncake-"))
         self.hosts = [self._namespace() for _ in HOST_ADDRS]
         self.master: subprocess.Popen[bytes] | None = None
@@ -133,8 +144,8 @@ class MooncakeCluster:
             time.sleep(0.1)
 
     def start_master(self) -> None:
-        cmd = [
-            _bin("mooncake_master") or "mooncake_master",
+        cmd = self.master_cmd or [
+            binary("mooncake_master") or "mooncake_master",
             f"--rpc_address={HOST_ADDRS[0]}",
             f"--rpc_port={MASTER_PORT}",
             "--metrics_port=9003",
@@ -147,19 +158,19 @@ class MooncakeCluster:
         self._wait_port(MASTER_PORT, self.master, "mooncake_master")
 
     def start_service(self) -> None:
-        cmd = [
-            _bin("mooncake_client") or "mooncake_client",
+        cmd = self.service_cmd or [
+            binary("mooncake_client") or "mooncake_client",
             f"--master_server_address={self.master_addr}",
             "--metadata_server=P2PHANDSHAKE",
             f"--host={HOST_ADDRS[0]}",
             f"--global_segment_size={self.pool_mb} MB",
             "--protocol=tcp",
-            "--port=50052",
+            f"--port={SERVICE_PORT}",
         ]
         log = open(self.dir / "service.log", "ab")
         self.service = subprocess.Popen(self.nsenter(0, cmd), stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        self._wait_port(50052, self.service, "mooncake_client")
+        self._wait_port(SERVICE_PORT, self.service, "mooncake_client")
         time.sleep(0.5)  # its segment is mounted right after it listens
 
     def stop_master(self) -> None:

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -458,13 +458,18 @@ _TINY_MODEL: str | None = None  # made once per session
 
 
 def vllm_two_engines(
-    tmp: Path, ucm: dict[str, Any], spawn_in: Any = contextlib.nullcontext
+    tmp: Path,
+    ucm: dict[str, Any],
+    spawn_in: Callable[[str], contextlib.AbstractContextManager[Any]] = lambda _: (
+        contextlib.nullcontext()
+    ),
 ) -> list[dict[str, Any]]:
     """Two vLLM engines, one after the other in their own processes (two
     "nodes"), with the same ``ucm`` store config: A computes and saves, B
     should hit A's blocks. Returns both engines' ``generate`` results.
-    ``spawn_in()`` is entered while each engine process starts (the NFS
-    tests start them inside the server's network namespace).
+    ``spawn_in(name)`` is entered while engine ``name`` ("A", "B") starts
+    (the NFS tests start both inside the server's network namespace, the
+    Mooncake tests each on a host of its own).
 
     The connector creates ``storage_backends`` as local directories even
     for URLs (``s3://b/p`` gives ``/b/p``); what that leaves behind at the
@@ -486,7 +491,7 @@ def vllm_two_engines(
     outs = []
     try:
         for name in ("A", "B"):
-            with spawn_in():
+            with spawn_in(name):
                 engine = EngineProcess(
                     {"model": model, "ucm": ucm}, tmp / f"{name}.log", env=engine_env(), cwd=tmp
                 )

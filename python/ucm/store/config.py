@@ -2,7 +2,7 @@
 
 A pipeline config is one flat mapping (the shape of the seed's YAML and of
 the original UCM): ``store_pipeline`` names the stages top to bottom
-(``"Cache|Posix"``, ``"Cache|S3"``, ``"Posix"``, ``"Empty"``, or
+(``"Cache|Posix"``, ``"Cache|S3"``, ``"Cache|Mooncake"``, ``"Posix"``, ``"Empty"``, or
 ``"Cache|<name>"`` for a store registered through
 :class:`~ucm.store.factory.UcmConnectorFactory`) and every other key belongs
 to one or more of them: the geometry keys (``block_size``, ``shard_size``,

@@ -71,7 +71,8 @@ def key_tables() -> str:
         "",
         HEADER,
         "| `store_pipeline` | text | `Posix` | Stages, top to bottom: `Posix`, `Cache\\|Posix`, "
-        "`S3`, `Cache\\|S3`, `NFS`, `Cache\\|NFS`, `Empty`, `Cache\\|Empty`, or "
+        "`S3`, `Cache\\|S3`, `NFS`, `Cache\\|NFS`, `Mooncake`, `Cache\\|Mooncake`, `Empty`, "
+        "`Cache\\|Empty`, or "
         "`Cache\\|<registered store>`. |",
         *(_row(k) for k in shared.values()),
     ]
