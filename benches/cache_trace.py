@@ -19,7 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from ucm.store import UcmConnectorFactory
-from ucm.store.config import EVICTION_POLICIES
+from ucm.store.config import stage_schemas
+
+EVICTION_POLICIES = next(
+    k.choices for k in stage_schemas()["Cache"].keys if k.name == "eviction_policy"
+)
 
 SHARD = 64 * 1024
 SHARDS = 4

@@ -1,6 +1,7 @@
 """The shared remote tiers on loopback, each beside a same-run baseline.
 
-Starts its own servers (``python/tests/servers.py``) and prints:
+Starts its own servers (``python/tests/support/servers.py``,
+``mooncake_server.py``) and prints:
 
 * **S3** (``moto_server`` on 127.0.0.1): dump and load MB/s of whole blocks
   through the Python API, beside boto3 ``put_object``/``get_object`` of the
@@ -11,10 +12,16 @@ Starts its own servers (``python/tests/servers.py``) and prints:
 * **NFS** (NFS-Ganesha in a private network namespace, the store's built-in
   NFSv3 client): dump and load MB/s beside libnfs ``nfs-cp`` uploading and
   downloading one file of the same total bytes, and lookup latency.
+* **Mooncake** (``mooncake_master`` and a store service on one private host,
+  the store on another, TCP over a veth pair): dump and load MB/s beside
+  Mooncake's own client putting and getting the same object bytes in a
+  loop from a registered buffer; lookup latency beside its ``get_size``
+  loop; and the hit rates of ``Cache|Mooncake`` on the Zipf trace.
 
 Not run in CI (needs the servers of tools/apt-packages.txt and moto)::
 
-    .venv/bin/python benches/remote_bench.py [--blocks 64] [--shard-kib 256] [--only s3|nfs]
+    .venv/bin/python benches/remote_bench.py [--blocks 64] [--shard-kib 256]
+        [--only s3|nfs|mooncake]
 """
 
 from __future__ import annotations
@@ -225,18 +232,123 @@ def bench_nfs(args: argparse.Namespace, shard: int) -> None:
         server.close()
 
 
+def bench_mooncake(args: argparse.Namespace, shard: int) -> None:
+    from support.mooncake_server import HOST_ADDRS, MooncakeCluster
+
+    obj_len = SHARDS * (4096 + shard)  # the object size the store writes
+    reps = 3  # rounds, ours and the baseline's interleaved; each side's best counts
+    pool_mb = max(64, (2 * reps + 1) * args.blocks * obj_len >> 20)
+    cluster = MooncakeCluster(pool_mb=pool_mb)
+    try:
+        # The engine's side on host 2, the pool's memory (the store service)
+        # on host 1: every block crosses the veth pair, as between machines.
+        cfg = {
+            "store_pipeline": "Mooncake",
+            **cluster.store_keys("bench"),
+            "block_size": shard * SHARDS,
+            "shard_size": shard,
+            "timeout_ms": 120000,
+        }
+        with cluster.on_host(1):
+            store = open_store(cfg)
+        bufs = np.random.default_rng(1).integers(0, 256, (8, SHARDS, shard), dtype=np.uint8)
+        out = np.empty_like(bufs)
+        total = args.blocks * SHARDS * shard
+
+        # Baseline: Mooncake's own client, a put_from / get_into loop of the
+        # same object bytes from a registered buffer, on the same host.
+        from mooncake.store import MooncakeDistributedStore
+
+        raw = MooncakeDistributedStore()
+        buf = np.random.default_rng(2).integers(0, 256, obj_len, dtype=np.uint8)
+        with cluster.on_host(1):
+            rc = raw.setup(
+                HOST_ADDRS[1], "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master_addr
+            )
+            assert rc == 0, rc
+            raw.register_buffer(buf.ctypes.data, buf.nbytes)
+        d = ld = bput = bget = float("inf")
+        for r in range(reps):
+            blocks = range(r * args.blocks, (r + 1) * args.blocks)
+            d = min(d, transfer(store, blocks, bufs, dump=True))
+            ld = min(ld, transfer(store, blocks, out, dump=False))
+            with cluster.on_host(1):
+                start = time.perf_counter()
+                for n in blocks:
+                    assert raw.put_from(f"base/{n}", buf.ctypes.data, obj_len) == 0
+                bput = min(bput, time.perf_counter() - start)
+                start = time.perf_counter()
+                for n in blocks:
+                    assert raw.get_into(f"base/{n}", buf.ctypes.data, obj_len) == obj_len
+                bget = min(bget, time.perf_counter() - start)
+        print(
+            f"Mooncake (mooncake_master + a store service, TCP over a veth pair), "
+            f"{args.blocks} blocks of {SHARDS} x {shard >> 10} KiB, best of {reps}: the stage "
+            f"(batched calls) against the client's one-at-a-time loop"
+        )
+        row("dump (batch_put_from)", total / d / 1e6, total / bput / 1e6, "MB/s")
+        row("load (batch_get_into)", total / ld / 1e6, total / bget / 1e6, "MB/s")
+
+        ids = [bid(n) for n in range(args.blocks)]
+        with cluster.on_host(1):
+            cold_store = open_store(dict(cfg, mooncake_lookup_cache_ttl_ms=0))
+        cold = lookup_ms(cold_store, ids)
+        cold_store.close()
+        lookup_ms(store, ids, reps=1)
+        warm = lookup_ms(store, ids)
+        keys = [f"bench/{b.hex()}" for b in ids]
+        with cluster.on_host(1):
+            start = time.perf_counter()
+            for k in keys:
+                raw.get_size(k)
+            bsize = (time.perf_counter() - start) * 1e3
+            raw.close()
+        row(f"lookup_on_prefix {len(ids)} ids, cold", cold, bsize, "ms")
+        row(f"lookup_on_prefix {len(ids)} ids, warm", warm, bsize, "ms")
+        store.close()
+
+        # Cache|Mooncake on the Zipf trace: the cache holds a fraction of the blocks.
+        trace = zipf_trace(args.blocks, args.blocks * 8, 0.9, seed=7)
+        cache_gb = args.blocks * 0.1 * SHARDS * shard / (1 << 30)
+        with cluster.on_host(1):
+            cached = open_store(
+                dict(
+                    cfg,
+                    store_pipeline="Cache|Mooncake",
+                    cache_buffer_capacity_gb=max(cache_gb, 0.001),
+                )
+            )
+        one = np.empty((1, SHARDS, shard), dtype=np.uint8)
+        start = time.perf_counter()
+        for n in trace:
+            transfer(cached, range(int(n), int(n) + 1), one, dump=False)
+        secs = time.perf_counter() - start
+        st = cached.get_stats()
+        cached.close()
+        print(
+            f"  Cache|Mooncake, Zipf a=0.9 over {args.blocks} blocks, cache 10% of them, "
+            f"{len(trace)} loads: l1 hit {st['l1_hit_rate']:.3f}, l2 hit "
+            f"{st['l2_hit_rate']:.3f}, {len(trace) / secs:.0f} blocks/s, p99 "
+            f"{st['p99_load_latency_ms']:.1f} ms"
+        )
+    finally:
+        cluster.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--shard-kib", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--only", choices=["s3", "nfs"], default=None)
+    ap.add_argument("--only", choices=["s3", "nfs", "mooncake"], default=None)
     args = ap.parse_args()
     shard = args.shard_kib << 10
     if args.only in (None, "s3"):
         bench_s3(args, shard)
     if args.only in (None, "nfs"):
         bench_nfs(args, shard)
+    if args.only in (None, "mooncake"):
+        bench_mooncake(args, shard)
 
 
 if __name__ == "__main__":

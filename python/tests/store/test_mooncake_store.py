@@ -256,6 +256,32 @@ def test_a_full_pool_fails_dumps_and_serving_goes_on(mooncake: MooncakeCluster) 
         raw.close()
 
 
+def test_concurrent_loads_of_one_block(mooncake: MooncakeCluster) -> None:
+    """Many loads of the same blocks in flight at once (engines sharing a
+    prefix): each gets the right bytes. Requests that wait go to Mooncake
+    together, and its batch calls must never name a key twice (it would
+    fill one buffer and report success for both)."""
+    store = open_store(mooncake, mc_config(mooncake))
+    try:
+        dump(store, [1, 2])
+        outs, tasks = [], []
+        for _ in range(8):
+            out = {n: np.zeros((SHARDS, 2, SHARD // 2), dtype=np.uint8) for n in (1, 2)}
+            ids = [bid(n) for n in (1, 2) for _ in range(SHARDS)]
+            idx = [s for _ in (1, 2) for s in range(SHARDS)]
+            t = [[out[n][s, 0], out[n][s, 1]] for n in (1, 2) for s in range(SHARDS)]
+            tasks.append(store.load(ids, idx, t))
+            outs.append(out)
+        for task in tasks:
+            store.wait(task)
+        for out in outs:
+            assert np.array_equal(out[1], block_data(1))
+            assert np.array_equal(out[2], block_data(2))
+        assert store.get_stats()["corrupt_loads"] == 0
+    finally:
+        store.close()
+
+
 def test_corrupt_and_foreign_values_are_load_errors(mooncake: MooncakeCluster) -> None:
     """Values that are not this deployment's blocks: a corrupt one of the
     right size fails its load (and is removed), one of another size is not

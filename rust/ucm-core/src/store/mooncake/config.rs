@@ -94,8 +94,10 @@ pub const KEYS: &[Key] = &[
     Key::new(
         "mooncake_max_concurrency",
         Kind::Int { min: 1, max: 256 },
-        Dflt::Is("4"),
-        "Client calls in flight at most (threads calling into the client).",
+        Dflt::Is("1"),
+        "Transfer calls in flight at most (threads calling into the client; lookups have one \
+         of their own). Transfers that wait meanwhile go together in the next batch call, \
+         which Mooncake runs in parallel, so one is usually best.",
     ),
     Key::new(
         "mooncake_lookup_cache_ttl_ms",

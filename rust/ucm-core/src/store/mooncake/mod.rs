@@ -38,7 +38,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use self::arena::{Arena, SlotBytes};
-use self::client::CallPool;
+use self::client::{code, CallPool};
 use super::remote::staging::{self, Stager, Uploader};
 use super::remote::{Breaker, LookupCache, RemoteBackend, RemoteCore, RemoteStore, Runtime};
 use crate::block::{BlockId, ShardIo};
@@ -46,35 +46,9 @@ use crate::error::{Damage, Result, UcmError};
 use crate::store::format::codec::is_layout_mismatch;
 use crate::store::format::layout::Layout;
 
-/// Mooncake's `ErrorCode`s the store tells apart.
-mod code {
-    pub const NO_AVAILABLE_HANDLE: i64 = -200;
-    pub const INVALID_PARAMS: i64 = -600;
-    pub const REPLICA_IS_NOT_READY: i64 = -703;
-    pub const OBJECT_NOT_FOUND: i64 = -704;
-    pub const OBJECT_ALREADY_EXISTS: i64 = -705;
-    pub const LEASE_EXPIRED: i64 = -707;
-    pub const RPC_FAIL: i64 = -900;
-    pub const RPC_TIMEOUT: i64 = -901;
-}
-
-/// Failures that Mooncake reports before a transfer starts or after it
-/// ended: the slot is safe to reuse. After any other failure the transfer
-/// engine may still be using it.
-fn slot_is_safe_after(rc: i64) -> bool {
-    rc >= 0
-        || matches!(
-            rc,
-            code::NO_AVAILABLE_HANDLE
-                | code::INVALID_PARAMS
-                | code::REPLICA_IS_NOT_READY
-                | code::OBJECT_NOT_FOUND
-                | code::OBJECT_ALREADY_EXISTS
-                | code::LEASE_EXPIRED
-                | code::RPC_FAIL
-                | code::RPC_TIMEOUT
-        )
-}
+/// Presence probes in flight during a lookup (they reach the client as
+/// one call per batch).
+const LOOKUP_CONCURRENCY: usize = 64;
 
 /// Counters of the Mooncake backend (the shell counts lookups and loads).
 #[derive(Default)]
@@ -132,7 +106,8 @@ impl RemoteStore<MooncakeBackend> {
             ),
             Arc::new(Breaker::default()),
             cfg.timeout_ms,
-            cfg.max_concurrency,
+            // Probes in flight: they go together to the size-query thread.
+            LOOKUP_CONCURRENCY,
             cfg.transfers_enabled(),
         );
         let backend = MooncakeBackend {
@@ -220,11 +195,6 @@ fn describe(rc: i64) -> String {
     format!("{what} (code {rc})")
 }
 
-/// The one code of a one-key call.
-fn single(codes: Vec<i64>) -> i64 {
-    codes.first().copied().unwrap_or(code::INVALID_PARAMS)
-}
-
 impl RemoteBackend for MooncakeBackend {
     const NAME: &'static str = "Mooncake";
     const PROBE_STAT: &'static str = "size_queries";
@@ -239,11 +209,10 @@ impl RemoteBackend for MooncakeBackend {
     }
 
     async fn size_of(&self, id: &BlockId) -> Result<Option<u64>> {
-        let key = self.key(id);
         let what = format!("block {id}");
         let rc = self
             .calls
-            .call(move |c| c.sizes(&[key]).map(single))
+            .size(self.key(id))
             .await?
             .map_err(|e| self.raised("size query", &what, e))?;
         match rc {
@@ -256,26 +225,9 @@ impl RemoteBackend for MooncakeBackend {
     /// Fetches the whole object into a slot (Mooncake has no partial read
     /// in its TCP path) and hands out the asked range.
     async fn read(&self, id: &BlockId, offset: u64, len: usize) -> Result<SlotBytes> {
-        let key = self.key(id);
         let slot = self.arena.acquire().await;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
-        let outcome = self
-            .calls
-            .call(move |c| {
-                let r = c.get_into(&[key], &[slot.buf()]).map(single);
-                match r {
-                    Ok(rc) if !slot_is_safe_after(rc) => {
-                        slot.poison();
-                        (None, r)
-                    }
-                    Err(_) => {
-                        slot.poison();
-                        (None, r)
-                    }
-                    _ => (Some(slot), r),
-                }
-            })
-            .await?;
+        let outcome = self.calls.get(self.key(id), slot).await?;
         let what = format!("block {id}");
         match outcome {
             (Some(slot), Ok(n)) if n >= 0 => {
@@ -301,8 +253,7 @@ impl RemoteBackend for MooncakeBackend {
     async fn discard_corrupt(&self, id: &BlockId, e: &UcmError) {
         if !is_layout_mismatch(e) {
             log::warn!("{e}; removing {} from the pool", self.key(id));
-            let key = self.key(id);
-            let _ = self.calls.call(move |c| c.remove(&[key])).await;
+            let _ = self.calls.remove(self.key(id)).await;
         }
     }
 
@@ -348,22 +299,8 @@ impl Uploader for MooncakeBackend {
         slot.bytes_mut()[..buf.len()].copy_from_slice(&buf);
         let len = buf.len();
         drop(buf);
-        let key = self.key(&block);
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
-        let r = self
-            .calls
-            .call(move |c| {
-                let b = Buf {
-                    addr: slot.buf().addr,
-                    len,
-                };
-                let r = c.put_from(&[key], &[b]).map(single);
-                if !matches!(r, Ok(rc) if slot_is_safe_after(rc)) {
-                    slot.poison();
-                }
-                r
-            })
-            .await?;
+        let r = self.calls.put(self.key(&block), slot, len).await?;
         let what = format!("block {block}");
         match r {
             Ok(rc) if rc >= 0 || rc == code::OBJECT_ALREADY_EXISTS => Ok(()),
