@@ -80,10 +80,12 @@ def sched_output(
 class Side:
     """A scheduler half and a worker half over one fake KV cache."""
 
-    def __init__(self, store: Path, **extra: Any) -> None:
-        cfg = resolve_config(
-            {"storage_backends": str(store), "store_pipeline": "Posix", **extra}, env={}
-        )
+    def __init__(self, store: Path | dict[str, Any], **extra: Any) -> None:
+        """``store``: a Posix store's directory, or a whole store config."""
+        keys = store if isinstance(store, dict) else {
+            "storage_backends": str(store), "store_pipeline": "Posix"
+        }  # fmt: skip
+        cfg = resolve_config({**keys, **extra}, env={})
         self.geom = KVGeometry(
             block_size=BS, shard_bytes=SHARD, num_layers=L, meta="unit-test", is_mla=False,
             tp_size=1,

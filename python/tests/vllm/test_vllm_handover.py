@@ -81,6 +81,30 @@ def test_decode_waits_for_the_handed_over_prompt_and_loads_all_of_it(
     d.close()
 
 
+def test_handover_through_a_mooncake_pool(mooncake: Any) -> None:
+    """The same handover with both engines' stores in a Mooncake pool: the
+    decode side waits until the pool shows the prefill side's blocks, then
+    loads all of the prompt but its last token."""
+    import uuid
+
+    store = {"store_pipeline": "Mooncake", **mooncake.store_keys(uuid.uuid4().hex[:12])}
+    store["mooncake_negative_cache_ttl_ms"] = 0
+    with mooncake.on_host(0):
+        p = Side(store)
+        d = Side(store)
+    toks = tokens(2 * BS + 3, 21)
+    meta, params = prefill(p, "p1", toks, [4, 7, 2])
+    req = PDRequest("d1", list(toks), kv_transfer_params=dict(params))
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    run_worker(p, meta)
+    assert d.admit(req, [1, 3, 5]) == len(toks) - 1
+    d.step(sched_output(new=[("d1", len(toks) - 1, 1)]))
+    for src, dst in zip([4, 7, 2], [1, 3, 5], strict=True):
+        assert torch.equal(d.kv[:, dst], p.kv[:, src])
+    p.close()
+    d.close()
+
+
 def test_a_short_prompt_is_handed_over_as_one_partial_block(tmp_path: Path) -> None:
     p = Side(tmp_path)
     toks = tokens(BS - 4, 12)
