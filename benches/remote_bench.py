@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,32 @@ def row(what: str, ours: float, base: float, unit: str) -> None:
     ratio = ours / base if base else float("nan")
     print(
         f"  {what:<34} {ours:>9.1f} {unit:<5} baseline {base:>9.1f} {unit:<5} ratio {ratio:>5.2f}"
+    )
+
+
+def zipf_run(
+    args: argparse.Namespace,
+    shard: int,
+    pipeline: str,
+    opener: Callable[[dict[str, Any]], UcmKVStoreBase],
+) -> None:
+    """``pipeline`` (a Cache over a stage already holding blocks
+    ``0..args.blocks``) on the Zipf trace of ``cache_trace.py``, the cache
+    holding a tenth of the blocks: hit rates, blocks/s and p99."""
+    trace = zipf_trace(args.blocks, args.blocks * 8, 0.9, seed=7)
+    cache_gb = args.blocks * 0.1 * SHARDS * shard / (1 << 30)
+    store = opener({"store_pipeline": pipeline, "cache_buffer_capacity_gb": max(cache_gb, 0.001)})
+    one = np.empty((1, SHARDS, shard), dtype=np.uint8)
+    start = time.perf_counter()
+    for n in trace:
+        transfer(store, range(int(n), int(n) + 1), one, dump=False)
+    secs = time.perf_counter() - start
+    s = store.get_stats()
+    store.close()
+    print(
+        f"  {pipeline}, Zipf a=0.9 over {args.blocks} blocks, cache 10% of them, "
+        f"{len(trace)} loads: l1 hit {s['l1_hit_rate']:.3f}, l2 hit {s['l2_hit_rate']:.3f}, "
+        f"{len(trace) / secs:.0f} blocks/s, p99 {s['p99_load_latency_ms']:.1f} ms"
     )
 
 
@@ -150,24 +177,7 @@ def bench_s3(args: argparse.Namespace, shard: int) -> None:
         row(f"lookup_on_prefix {n_ids} ids, cold", cold, bhead, "ms")
         row(f"lookup_on_prefix {n_ids} ids, warm", warm, bhead, "ms")
 
-        # Cache|S3 on the Zipf trace: the cache holds a fraction of the blocks.
-        trace = zipf_trace(args.blocks, args.blocks * 8, 0.9, seed=7)
-        cache_gb = args.blocks * 0.1 * SHARDS * shard / (1 << 30)
-        cached = open_store(
-            dict(cfg, store_pipeline="Cache|S3", cache_buffer_capacity_gb=max(cache_gb, 0.001))
-        )
-        one = np.empty((1, SHARDS, shard), dtype=np.uint8)
-        start = time.perf_counter()
-        for n in trace:
-            transfer(cached, range(int(n), int(n) + 1), one, dump=False)
-        secs = time.perf_counter() - start
-        s = cached.get_stats()
-        cached.close()
-        print(
-            f"  Cache|S3, Zipf a=0.9 over {args.blocks} blocks, cache 10% of them, "
-            f"{len(trace)} loads: l1 hit {s['l1_hit_rate']:.3f}, l2 hit {s['l2_hit_rate']:.3f}, "
-            f"{len(trace) / secs:.0f} blocks/s, p99 {s['p99_load_latency_ms']:.1f} ms"
-        )
+        zipf_run(args, shard, "Cache|S3", lambda extra: open_store(dict(cfg, **extra)))
         store.close()
     finally:
         server.close()
@@ -307,30 +317,11 @@ def bench_mooncake(args: argparse.Namespace, shard: int) -> None:
         row(f"lookup_on_prefix {len(ids)} ids, warm", warm, bsize, "ms")
         store.close()
 
-        # Cache|Mooncake on the Zipf trace: the cache holds a fraction of the blocks.
-        trace = zipf_trace(args.blocks, args.blocks * 8, 0.9, seed=7)
-        cache_gb = args.blocks * 0.1 * SHARDS * shard / (1 << 30)
-        with cluster.on_host(1):
-            cached = open_store(
-                dict(
-                    cfg,
-                    store_pipeline="Cache|Mooncake",
-                    cache_buffer_capacity_gb=max(cache_gb, 0.001),
-                )
-            )
-        one = np.empty((1, SHARDS, shard), dtype=np.uint8)
-        start = time.perf_counter()
-        for n in trace:
-            transfer(cached, range(int(n), int(n) + 1), one, dump=False)
-        secs = time.perf_counter() - start
-        st = cached.get_stats()
-        cached.close()
-        print(
-            f"  Cache|Mooncake, Zipf a=0.9 over {args.blocks} blocks, cache 10% of them, "
-            f"{len(trace)} loads: l1 hit {st['l1_hit_rate']:.3f}, l2 hit "
-            f"{st['l2_hit_rate']:.3f}, {len(trace) / secs:.0f} blocks/s, p99 "
-            f"{st['p99_load_latency_ms']:.1f} ms"
-        )
+        def cached(extra: dict[str, Any]) -> UcmKVStoreBase:
+            with cluster.on_host(1):
+                return open_store(dict(cfg, **extra))
+
+        zipf_run(args, shard, "Cache|Mooncake", cached)
     finally:
         cluster.close()
 

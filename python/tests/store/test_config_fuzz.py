@@ -53,6 +53,8 @@ def base(stage: str, tmp_path: Path) -> dict[str, Any]:
         cfg["storage_backends"] = "s3://bucket/prefix"
     if stage == "NFS":
         cfg["storage_backends"] = "nfs://server/export"
+    if stage == "Mooncake":
+        cfg["mooncake_master"] = "10.0.0.5:50051"
     if stage == "Empty":
         del cfg["block_size"]
     return cfg

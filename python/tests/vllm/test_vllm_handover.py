@@ -4,7 +4,9 @@ engines: the prefill side's answer, the decode side's bounded wait, and bad
 
 from __future__ import annotations
 
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,13 +45,15 @@ def run_worker(side: Side, meta: Any) -> None:
 
 
 def prefill(side: Side, req_id: str, toks: list[int], blocks: list[int]) -> tuple[Any, Any]:
-    """Plans the prefill of a handover request; returns its step's plan and
-    the answer's ``kv_transfer_params`` (the worker has not run yet)."""
+    """The prefill step of a handover request as vLLM runs it: the plan,
+    the worker (its saves waited for), then ``request_finished``. Returns
+    the step's plan and the answer's ``kv_transfer_params``."""
     req = PDRequest(req_id, toks, kv_transfer_params={"do_remote_decode": True})
     assert side.admit(req, blocks) == 0
     for b in blocks:
         side.kv[:, b] = torch.randn(L, H, BS, side.kv.shape[-1])
     meta = side.sched.build_connector_meta(sched_output(new=[(req_id, 0, len(toks))]))
+    run_worker(side, meta)
     _, params = side.sched.request_finished(req, blocks)
     return meta, params
 
@@ -58,20 +62,22 @@ def prefill(side: Side, req_id: str, toks: list[int], blocks: list[int]) -> tupl
 def test_decode_waits_for_the_handed_over_prompt_and_loads_all_of_it(
     tmp_path: Path, layerwise: bool
 ) -> None:
-    p = Side(tmp_path, use_layerwise=layerwise)
-    d = Side(tmp_path, use_layerwise=not layerwise)
+    # Two stores: the prefill engine's blocks reach the decode engine's
+    # store only when copied over (as a replicating file system would).
+    p = Side(tmp_path / "p", use_layerwise=layerwise)
+    d = Side(tmp_path / "d", use_layerwise=not layerwise)
     toks = tokens(3 * BS + 5, 11)
     meta, params = prefill(p, "p1", toks, [4, 7, 2, 9])
     (t,) = meta.requests
     assert t.handover and t.save_from == [4, 7, 2, 9]  # the partial last block too
+    assert p.worker.saves.pending("p1") == 0  # the step ended after its saves
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["ucm_blocks"] == 3 and params["ucm_tail_tokens"] == 5
 
     req = PDRequest("d1", list(toks), kv_transfer_params=dict(params))
-    # The prefill engine's saves are not done: ask again later, don't compute.
+    # The blocks are not in this store yet: ask again later, don't compute.
     assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    run_worker(p, meta)
-    assert p.worker.saves.pending("p1") == 0  # the step ended after its saves
+    shutil.copytree(tmp_path / "p", tmp_path / "d", dirs_exist_ok=True)
     assert d.admit(req, [1, 3, 5, 6]) == len(toks) - 1  # all but the last token
     meta, _ = d.step(sched_output(new=[("d1", len(toks) - 1, 1)]))
     assert meta.requests[0].load_into == [1, 3, 5, 6]
@@ -83,8 +89,8 @@ def test_decode_waits_for_the_handed_over_prompt_and_loads_all_of_it(
 
 def test_handover_through_a_mooncake_pool(mooncake: Any) -> None:
     """The same handover with both engines' stores in a Mooncake pool: the
-    decode side waits until the pool shows the prefill side's blocks, then
-    loads all of the prompt but its last token."""
+    prefill side's answer names the blocks the pool holds, and the decode
+    side loads all of the prompt but its last token from it."""
     import uuid
 
     store = {"store_pipeline": "Mooncake", **mooncake.store_keys(uuid.uuid4().hex[:12])}
@@ -93,10 +99,9 @@ def test_handover_through_a_mooncake_pool(mooncake: Any) -> None:
         p = Side(store)
         d = Side(store)
     toks = tokens(2 * BS + 3, 21)
-    meta, params = prefill(p, "p1", toks, [4, 7, 2])
+    _, params = prefill(p, "p1", toks, [4, 7, 2])
+    assert (params["ucm_blocks"], params["ucm_tail_tokens"]) == (2, 3)
     req = PDRequest("d1", list(toks), kv_transfer_params=dict(params))
-    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    run_worker(p, meta)
     assert d.admit(req, [1, 3, 5]) == len(toks) - 1
     d.step(sched_output(new=[("d1", len(toks) - 1, 1)]))
     for src, dst in zip([4, 7, 2], [1, 3, 5], strict=True):
@@ -108,8 +113,7 @@ def test_handover_through_a_mooncake_pool(mooncake: Any) -> None:
 def test_a_short_prompt_is_handed_over_as_one_partial_block(tmp_path: Path) -> None:
     p = Side(tmp_path)
     toks = tokens(BS - 4, 12)
-    meta, params = prefill(p, "p1", toks, [3])
-    run_worker(p, meta)
+    _, params = prefill(p, "p1", toks, [3])
     assert (params["ucm_blocks"], params["ucm_tail_tokens"]) == (0, BS - 4)
     d = Side(tmp_path)
     req = PDRequest("d1", list(toks), kv_transfer_params=params)
@@ -121,10 +125,10 @@ def test_a_short_prompt_is_handed_over_as_one_partial_block(tmp_path: Path) -> N
 
 
 def test_the_wait_is_bounded_and_counted(tmp_path: Path) -> None:
-    p = Side(tmp_path)
+    p = Side(tmp_path / "p")
     toks = tokens(2 * BS + 3, 13)
-    _, params = prefill(p, "p1", toks, [0, 1, 2])  # its worker never runs
-    d = Side(tmp_path, handover_timeout_s=0.2)
+    _, params = prefill(p, "p1", toks, [0, 1, 2])
+    d = Side(tmp_path / "d", handover_timeout_s=0.2)  # the blocks never reach its store
     req = PDRequest("d1", list(toks), kv_transfer_params=params)
     assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
     time.sleep(0.25)
@@ -157,13 +161,36 @@ def test_bad_handover_params_are_ignored_not_waited_for(
 ) -> None:
     p = Side(tmp_path)
     toks = tokens(2 * BS + 3, 14)
-    meta, params = prefill(p, "p1", toks, [0, 1, 2])
-    run_worker(p, meta)
+    _, params = prefill(p, "p1", toks, [0, 1, 2])
     d = Side(tmp_path, handover_timeout_s=600)
     req = PDRequest("d1", list(toks), kv_transfer_params={**params, **bad})
     t0 = time.monotonic()
     # Served as a plain request: the full blocks are found by the prefix lookup.
     assert d.sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    assert time.monotonic() - t0 < 60
+    p.close()
+    d.close()
+
+
+def test_a_failed_save_is_left_out_of_the_answer(
+    tmp_path: Path, small_tmpfs: Callable[[str, str], Path]
+) -> None:
+    """The prefill side's store has room for about one block: the saves of
+    the others fail, its answer names only what the store shows (counted in
+    ``handover_save_failures``), and the decode side computes the rest at
+    once instead of waiting for blocks that never come."""
+    root = small_tmpfs("100k", "")
+    p = Side(root)
+    toks = tokens(3 * BS + 5, 15)
+    _, params = prefill(p, "p1", toks, [0, 1, 2, 3])
+    named = 0 if params is None else params["ucm_blocks"]
+    assert named < 3 and (params is None or params["ucm_tail_tokens"] == 0)
+    stats = p.sched.get_kv_connector_stats()
+    assert stats is not None and stats.data["handover_save_failures"] == 1
+    d = Side(root, handover_timeout_s=600)
+    req = PDRequest("d1", list(toks), kv_transfer_params=params)
+    t0 = time.monotonic()
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (named * BS, False)
     assert time.monotonic() - t0 < 60
     p.close()
     d.close()

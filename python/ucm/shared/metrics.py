@@ -16,6 +16,7 @@ Instruments (Prometheus names)::
     ucm_store_healthy                  gauge      1 while the store is usable, else 0
     ucm_handover_timeouts_total        counter    P/D: handed-over blocks not there in time
     ucm_handover_mismatches_total      counter    P/D: handed-over blocks of another deployment
+    ucm_handover_save_failures_total   counter    P/D: prefill answers leaving out failed saves
 
 Exporting: with ``prometheus_client``'s default registry (one process serves
 ``/metrics``, as ``vllm serve`` with one API server does) a
@@ -61,6 +62,8 @@ COUNTERS: dict[str, str] = {
     "store within handover_timeout_s (the rest was computed)",
     "handover_mismatches": "P/D decode requests whose handed-over blocks were keyed for "
     "another deployment (model, salt, block size); the prompt was computed",
+    "handover_save_failures": "P/D prefill requests whose answer left out blocks that failed "
+    "to save (the decode engine computes them)",
 }
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "load_duration_ms": ("load_durations_ms", "Duration of one load, in milliseconds"),

@@ -278,8 +278,11 @@ class UCMSchedulerSide:
         self.store.report_success()
         ext += self._saving.prefix(ids, local + ext)
         if handed is not None:
+            # A prefill answer may name fewer blocks than the prompt has
+            # (saves that failed are left out); a tail comes only after all.
+            has_tail = len(handed) > len(ids)
             complete = local + ext >= min(len(handed), len(ids)) and (
-                len(handed) == len(ids) or tail is not None
+                not has_tail or tail is not None
             )
             waiting = None if complete else self._waits.wait(request.request_id)
             if waiting:
@@ -546,15 +549,45 @@ class UCMSchedulerSide:
         self._waits.forget(req_id)
         params = None
         if st is not None and st.handover_planned:
-            full = st.handover_at // self.block_size
-            last = st.tail if st.tail is not None else st.keys[full - 1]
-            params = Handover(full, st.handover_at % self.block_size, last).params()
+            params = self._readable_handover(req_id, st)
         if req_id in self._reqs_with_saves:
             self._reqs_with_saves.discard(req_id)
             # Saves may still be reading these blocks: free them when every
             # worker reports the request in get_finished().
             return True, params
         return False, params
+
+    def _readable_handover(self, req_id: str, st: _ReqState) -> dict[str, Any] | None:
+        """The answer of a finished prefill request: the handed-over blocks
+        the store shows (the step waited for their saves). A save that
+        failed is left out, so the decode engine computes that part at once
+        instead of waiting for blocks that never come."""
+        B = self.block_size
+        full = st.handover_at // B
+        keys = st.keys[:full]
+        store = self.store.get()
+        try:
+            if store is None:
+                raise RuntimeError("no store")
+            found = store.lookup_on_prefix(keys) + 1 if keys else 0
+            tail = st.tail if found == full and st.tail is not None else None
+            if tail is not None and not store.lookup([tail])[0]:
+                tail = None
+        except Exception as e:
+            self.store.report_failure(e, "lookup")
+            found, tail = 0, None
+        missing = full - found + (st.tail is not None and tail is None)
+        if missing:
+            logger.warning(
+                "request %s: %d of the prompt's handed-over block(s) are not in the store (a "
+                "save failed); the decode engine computes them",
+                req_id,
+                missing,
+            )
+            self.stats.add(handover_save_failures=1)
+        if tail is not None:
+            return Handover(full, st.handover_at % B, tail).params()
+        return Handover(found, 0, keys[found - 1]).params() if found else None
 
     def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
         data = self.stats.take()

@@ -83,6 +83,7 @@ class UCMKVConnectorStats(KVConnectorStats):
             "save_skipped_blocks",
             "handover_timeouts",
             "handover_mismatches",
+            "handover_save_failures",
         ):
             if d.get(k):
                 out[k] = d[k]

@@ -35,7 +35,7 @@ pub use config::{MooncakeConfig, KEYS};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use self::arena::{Arena, SlotBytes};
 use self::client::{code, CallPool};
@@ -262,16 +262,11 @@ impl RemoteBackend for MooncakeBackend {
     }
 
     fn before_shutdown(self: &Arc<Self>) {
-        let until = Instant::now() + Duration::from_millis(self.cfg.timeout_ms.max(1000));
-        while self.stager.uploading() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let partial = self.stager.partial_blocks();
-        if partial > 0 {
-            log::warn!(
-                "Mooncake store closed with {partial} partially dumped block(s); they are dropped"
-            );
-        }
+        // Let writes already started finish (bounded by their timeouts).
+        self.stager.drain(
+            Self::NAME,
+            Duration::from_millis(self.cfg.timeout_ms.max(1000)),
+        );
         self.calls.shutdown(Duration::from_millis(
             self.cfg.timeout_ms.clamp(1000, 10_000),
         ));

@@ -132,14 +132,19 @@ impl Stager {
         self.room.notify_waiters();
     }
 
-    /// True while blocks are being written.
-    pub fn uploading(&self) -> bool {
-        !self.uploads.lock().is_empty()
-    }
-
-    /// Blocks whose shards are still arriving.
-    pub fn partial_blocks(&self) -> usize {
-        self.staging.lock().len()
+    /// Waits up to `grace` for the writes in flight (at close); blocks whose
+    /// shards never all came are dropped, with a warning naming `store`.
+    pub fn drain(&self, store: &str, grace: Duration) {
+        let until = Instant::now() + grace;
+        while !self.uploads.lock().is_empty() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let partial = self.staging.lock().len();
+        if partial > 0 {
+            log::warn!(
+                "{store} store closed with {partial} partially dumped block(s); they are dropped"
+            );
+        }
     }
 
     /// Adds the staging figures to a store's stats.

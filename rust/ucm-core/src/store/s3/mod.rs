@@ -64,7 +64,7 @@ pub use maintain::S3Maintenance;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
@@ -433,17 +433,11 @@ impl RemoteBackend for S3Backend {
     }
 
     fn before_shutdown(self: &Arc<Self>) {
-        // Let uploads already started finish (bounded by their timeouts).
-        let until = Instant::now() + Duration::from_millis(self.cfg.timeout_ms.max(1000));
-        while self.stager.uploading() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let partial = self.stager.partial_blocks();
-        if partial > 0 {
-            log::warn!(
-                "S3 store closed with {partial} partially dumped block(s); they are dropped"
-            );
-        }
+        // Let writes already started finish (bounded by their timeouts).
+        self.stager.drain(
+            Self::NAME,
+            Duration::from_millis(self.cfg.timeout_ms.max(1000)),
+        );
     }
 
     fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {
