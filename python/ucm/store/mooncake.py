@@ -25,6 +25,10 @@ _GIB = 1 << 30
 # under 16 MiB.
 _MIN_LOCAL_BUFFER = 1 << 20
 _MIN_SEGMENT = 16 << 20
+# Mooncake's ErrorCodes that answer a size query for a key without a usable
+# replica.
+_OBJECT_NOT_FOUND = -704
+_REPLICA_IS_NOT_READY = -703
 
 
 def _import_client() -> Any:
@@ -102,6 +106,17 @@ def _call_within(budget: float, late: str, fn: Any, *args: Any) -> Any:
     return out[0]
 
 
+def _size_of(replicas: Any) -> int:
+    """An object's size from its replica descriptors: the first complete
+    memory replica's; Mooncake's code when there is none."""
+    if not replicas:
+        return _OBJECT_NOT_FOUND
+    for r in replicas:
+        if r.is_memory_replica() and r.status.name == "COMPLETE":
+            return int(r.get_memory_descriptor().buffer_descriptor.size)
+    return _REPLICA_IS_NOT_READY
+
+
 class MooncakePool:
     """A Mooncake client joined to a pool, with the calls the core makes.
     Every call returns one Mooncake code per key (``>= 0`` is success)."""
@@ -165,7 +180,9 @@ class MooncakePool:
 
     # -- the calls the core makes (on its own threads, GIL released inside)
     def sizes(self, keys: Sequence[str]) -> list[int]:
-        return [int(self._client.get_size(k)) for k in keys]
+        # One round trip to the master for all keys (get_size is one each).
+        descs = self._client.batch_get_replica_desc(list(keys))
+        return [_size_of(descs.get(k)) for k in keys]
 
     def put_from(self, keys: Sequence[str], addrs: Sequence[int], lens: Sequence[int]) -> list[int]:
         return list(
