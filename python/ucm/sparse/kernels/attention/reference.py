@@ -139,27 +139,72 @@ def paged_attention(
         kf = _gather(k_cache, row, n).float()
         vf = _gather(v_cache, row, n).float()
         k2f = _gather(k2_cache, row, n).float() if rerope else None
-        j = torch.arange(n, device=q.device)
         for c0 in range(a, b_, q_chunk):
             c1 = min(b_, c0 + q_chunk)
             pos = pos_all[c0:c1]
-            qc = q[c0:c1].float().view(c1 - c0, h_kv, g, d)
-            sc = torch.einsum("thgd,jhd->hgtj", qc, kf)
-            if rerope:
-                qw = q_w[c0:c1].float().view(c1 - c0, h_kv, g, d)
-                s2 = torch.einsum("thgd,jhd->hgtj", qw, k2f)
-                inside = (pos[:, None] - j[None, :]) < window
-                sc = torch.where(inside, sc, s2)
-            sc = sc * scale
-            visible = j[None, :] <= pos[:, None]
-            sc = sc.masked_fill(~visible, float("-inf"))
-            mx = sc.amax(dim=-1, keepdim=True)
-            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-            p = torch.exp(sc - mx)
-            denom = p.sum(dim=-1, keepdim=True)
-            o = torch.einsum("hgtj,jhd->thgd", p / torch.where(denom > 0, denom, 1.0), vf)
-            out[c0:c1] = o.reshape(c1 - c0, h_q, d).to(out.dtype)
+            qc = _heads_first(q[c0:c1], h_kv, g)
+            qw = _heads_first(q_w[c0:c1], h_kv, g) if rerope else None
+            o = _chunk_attention(qc, qw, pos, kf, k2f, vf, window, scale)
+            out[c0:c1] = (
+                o.view(h_kv, g, c1 - c0, d)
+                .permute(2, 0, 1, 3)
+                .reshape(c1 - c0, h_q, d)
+                .to(out.dtype)
+            )
     return out
+
+
+def _heads_first(x: torch.Tensor, h_kv: int, g: int) -> torch.Tensor:
+    """``[t, H_q, D]`` as fp32 ``[H_kv, g * t, D]`` (a query group's rows
+    together, for one batched product per KV head)."""
+    t, _, d = x.shape
+    return x.float().view(t, h_kv, g, d).permute(1, 2, 0, 3).reshape(h_kv, g * t, d)
+
+
+def _chunk_attention(
+    qc: torch.Tensor,
+    qw: torch.Tensor | None,
+    pos: torch.Tensor,
+    kf: torch.Tensor,
+    k2f: torch.Tensor | None,
+    vf: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """One chunk of queries (``[H_kv, g * t, D]``, positions ``pos``) over
+    the keys ``[n, H_kv, D]``. Only keys some query of the chunk can see are
+    scored (``j <= max(pos)``). With ReRoPE, the keys at least ``window``
+    before every query (``j <= min(pos) - window``, the "far" keys) take
+    only ``S2`` and need no mask; only the band after them computes both
+    scores and picks per element. The two parts share one softmax."""
+    t = pos.numel()
+    g = qc.shape[1] // t
+    hi = min(int(pos.max()) + 1, kf.shape[0])
+    lo = 0 if window is None else max(0, min(int(pos.min()) - window + 1, hi))
+    qpos = pos.repeat(g)[:, None]  # row r of a head is query r % t
+    j = torch.arange(lo, hi, device=qc.device)[None, :]
+    band = torch.bmm(qc * scale, kf[lo:hi].permute(1, 2, 0))  # S1
+    far = None
+    if window is not None:
+        assert qw is not None and k2f is not None
+        qw = qw * scale
+        s2 = torch.bmm(qw, k2f[lo:hi].permute(1, 2, 0))
+        band = torch.where(qpos - j < window, band, s2)
+        if lo:
+            far = torch.bmm(qw, k2f[:lo].permute(1, 2, 0))
+    band.masked_fill_(j > qpos, float("-inf"))
+    mx = band.amax(dim=-1, keepdim=True)
+    if far is not None:
+        mx = torch.maximum(mx, far.amax(dim=-1, keepdim=True))
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    band.sub_(mx).exp_()
+    denom = band.sum(dim=-1, keepdim=True)
+    out = torch.bmm(band, vf[lo:hi].permute(1, 0, 2))
+    if far is not None:
+        far.sub_(mx).exp_()
+        denom += far.sum(dim=-1, keepdim=True)
+        out.baddbmm_(far, vf[:lo].permute(1, 0, 2))
+    return out / torch.where(denom > 0, denom, 1.0)
 
 
 def write_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
