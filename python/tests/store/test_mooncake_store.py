@@ -211,8 +211,9 @@ def test_master_killed_and_restarted_under_a_cache(restartable: MooncakeCluster)
 
 def test_a_full_pool_fails_dumps_and_serving_goes_on(mooncake: MooncakeCluster) -> None:
     """A pool with no room: the dump fails with ``NoSpaceError`` naming the
-    pool, counted in ``pool_full``; what is stored is still served, and
-    dumps succeed again once the master evicted."""
+    pool, counted in ``pool_full``; what is stored is still served; dumps
+    succeed again once the master evicted, and the evicted blocks are
+    misses."""
     big = mooncake.pool_mb << 15  # 2 MiB shards: 8 MiB blocks in a 64 MiB pool
     cfg = mc_config(
         mooncake, block_size=4 * big, shard_size=big, tensor_size_list=[big // 2, big // 2]
@@ -248,6 +249,18 @@ def test_a_full_pool_fails_dumps_and_serving_goes_on(mooncake: MooncakeCluster) 
             except NoSpaceError:
                 assert time.monotonic() < deadline, "the pool never made room"
                 time.sleep(0.5)
+        # The room came from evicting blocks: an evicted block is a miss (the
+        # engine recomputes it), never wrong bytes; the rest still load.
+        evicted = 0
+        for n in stored:
+            out = np.zeros((4, 2, big // 2), dtype=np.uint8)
+            t = [[out[s, 0], out[s, 1]] for s in range(4)]
+            try:
+                store.wait(store.load([bid(n)] * 4, list(range(4)), t))
+                assert np.array_equal(out, blocks[n])
+            except BlockNotFoundError:
+                evicted += 1
+        assert evicted >= 1
     finally:
         store.close()
         raw = RawClient(mooncake)  # make room for the tests after this one
