@@ -121,6 +121,10 @@ def test_round_trip_lookup_and_layer_wise(mooncake: MooncakeCluster, pipeline: s
         store.flush()
         assert raw.size(key_of(cfg, 7)) == BLOCK_LEN
         assert np.array_equal(load(store, [7])[7], block_data(7))
+        # one shard alone (a layer-wise load): a ranged read of that shard
+        out = np.zeros((2, SHARD // 2), dtype=np.uint8)
+        store.wait(store.load([bid(7)], [2], [[out[0], out[1]]]))
+        assert np.array_equal(out, block_data(7)[2])
         with pytest.raises(UcmStoreError):
             load(store, [99])
         stats = store.get_stats()

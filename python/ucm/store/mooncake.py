@@ -5,8 +5,8 @@ Rust core; what lives here is the part only Python can do: importing
 ``mooncake.store`` (from ``mooncake-transfer-engine-non-cuda`` on PyPI, or
 the CUDA and RDMA builds), calling ``setup`` and wrapping the calls the
 core makes in :class:`MooncakePool`. Blocks go through ``batch_put_from``
-and ``batch_get_into`` on memory the core registered, so no block is ever
-copied into a Python object.
+and ranged gets (``get_into_ranges``) on memory the core registered, so no
+block is ever copied into a Python object.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ _MIN_SEGMENT = 16 << 20
 # replica.
 _OBJECT_NOT_FOUND = -704
 _REPLICA_IS_NOT_READY = -703
+_INVALID_PARAMS = -600
 
 
 def _import_client() -> Any:
@@ -189,8 +190,23 @@ class MooncakePool:
             self._client.batch_put_from(list(keys), list(addrs), list(lens), self._replicate)
         )
 
-    def get_into(self, keys: Sequence[str], addrs: Sequence[int], lens: Sequence[int]) -> list[int]:
-        return list(self._client.batch_get_into(list(keys), list(addrs), list(lens)))
+    def get_into(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        lens: Sequence[int],
+        offsets: Sequence[int],
+    ) -> list[int]:
+        """``lens[i]`` bytes of each object from byte ``offsets[i]`` (one
+        ranged get for all: a layer-wise load reads a shard, not the block)."""
+        out = self._client.get_into_ranges(
+            list(addrs),
+            [[k] for k in keys],
+            [[[0]] for _ in keys],
+            [[[int(o)]] for o in offsets],
+            [[[int(n)]] for n in lens],
+        )
+        return [int(r[0][0]) if r and r[0] else _INVALID_PARAMS for r in out]
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         return [int(self._client.remove(k, True)) for k in keys]

@@ -65,9 +65,14 @@ impl PoolClient for PyPoolClient {
         self.codes("put_from", (keys.to_vec(), addrs, lens))
     }
 
-    fn get_into(&self, keys: &[String], bufs: &[Buf]) -> Result<Vec<i64>, UcmError> {
+    fn get_into(
+        &self,
+        keys: &[String],
+        bufs: &[Buf],
+        offsets: &[u64],
+    ) -> Result<Vec<i64>, UcmError> {
         let (addrs, lens) = split(bufs);
-        self.codes("get_into", (keys.to_vec(), addrs, lens))
+        self.codes("get_into", (keys.to_vec(), addrs, lens, offsets.to_vec()))
     }
 
     fn remove(&self, keys: &[String]) -> Result<Vec<i64>, UcmError> {

@@ -37,8 +37,9 @@ pub trait PoolClient: Send + Sync + 'static {
     fn sizes(&self, keys: &[String]) -> Result<Vec<i64>>;
     /// Writes each buffer as the object under its key.
     fn put_from(&self, keys: &[String], bufs: &[Buf]) -> Result<Vec<i64>>;
-    /// Reads each object into its buffer (which must be at least as long).
-    fn get_into(&self, keys: &[String], bufs: &[Buf]) -> Result<Vec<i64>>;
+    /// Reads `bufs[i].len` bytes of each object, from byte `offsets[i]`,
+    /// into its buffer: the bytes read, or a code.
+    fn get_into(&self, keys: &[String], bufs: &[Buf], offsets: &[u64]) -> Result<Vec<i64>>;
     /// Removes the objects under `keys`.
     fn remove(&self, keys: &[String]) -> Result<Vec<i64>>;
     /// Registers memory the transfer engine may read and write directly.
@@ -60,7 +61,7 @@ type Reply<T> = tokio::sync::oneshot::Sender<T>;
 /// the reply (see [`slot_is_safe_after`]).
 enum Call {
     Size(String, Reply<Result<i64>>),
-    Get(String, Slot, Reply<(Option<Slot>, Result<i64>)>),
+    Get(String, Slot, u64, usize, Reply<(Option<Slot>, Result<i64>)>),
     Put(String, Slot, usize, Reply<Result<i64>>),
     Remove(String, Reply<Result<i64>>),
 }
@@ -96,7 +97,7 @@ pub fn slot_is_safe_after(rc: i64) -> bool {
 }
 
 /// Threads that make the client's calls: each takes the requests waiting
-/// and makes one batch call per kind (`batch_get_into` of many blocks is
+/// and makes one batch call per kind (a ranged get of many blocks is
 /// one round of transfers, not many).
 pub struct CallPool {
     client: Arc<dyn PoolClient>,
@@ -182,16 +183,19 @@ impl CallPool {
         self.send(Call::Size(key, tx), rx)
     }
 
-    /// Reads the object under `key` into `slot`: the bytes read (or a
-    /// code), and the slot back unless the call may still be writing it.
-    /// The call runs to its end even if the future is dropped.
+    /// Reads `len` bytes of the object under `key`, from byte `offset`,
+    /// into the start of `slot`: the bytes read (or a code), and the slot
+    /// back unless the call may still be writing it. The call runs to its
+    /// end even if the future is dropped.
     pub fn get(
         &self,
         key: String,
         slot: Slot,
+        offset: u64,
+        len: usize,
     ) -> impl Future<Output = Result<(Option<Slot>, Result<i64>)>> + Send + 'static {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.send(Call::Get(key, slot, tx), rx)
+        self.send(Call::Get(key, slot, offset, len, tx), rx)
     }
 
     /// Writes the first `len` bytes of `slot` as the object under `key`.
@@ -271,12 +275,12 @@ fn run_batch(client: &dyn PoolClient, batch: Vec<Call>) {
     for c in batch {
         match c {
             Call::Size(k, r) => sizes.push((k, r)),
-            Call::Get(k, s, r) => gets.push((k, s, r)),
+            Call::Get(k, s, o, n, r) => gets.push((k, s, o, n, r)),
             Call::Put(k, s, n, r) => puts.push((k, s, n, r)),
             Call::Remove(k, r) => removes.push((k, r)),
         }
     }
-    for round in unique_rounds(gets, |(k, _, _)| k) {
+    for round in unique_rounds(gets, |(k, _, _, _, _)| k) {
         get_round(client, round);
     }
     for round in unique_rounds(puts, |(k, _, _, _)| k) {
@@ -298,14 +302,21 @@ fn run_batch(client: &dyn PoolClient, batch: Vec<Call>) {
     }
 }
 
-type GetCall = (String, Slot, Reply<(Option<Slot>, Result<i64>)>);
+type GetCall = (String, Slot, u64, usize, Reply<(Option<Slot>, Result<i64>)>);
 type PutCall = (String, Slot, usize, Reply<Result<i64>>);
 
 fn get_round(client: &dyn PoolClient, gets: Vec<GetCall>) {
-    let keys: Vec<String> = gets.iter().map(|(k, _, _)| k.clone()).collect();
-    let bufs: Vec<Buf> = gets.iter().map(|(_, s, _)| s.buf()).collect();
-    let codes = client.get_into(&keys, &bufs);
-    for (i, (_, slot, r)) in gets.into_iter().enumerate() {
+    let keys: Vec<String> = gets.iter().map(|(k, ..)| k.clone()).collect();
+    let bufs: Vec<Buf> = gets
+        .iter()
+        .map(|(_, s, _, n, _)| Buf {
+            addr: s.buf().addr,
+            len: (*n).min(s.buf().len),
+        })
+        .collect();
+    let offsets: Vec<u64> = gets.iter().map(|(_, _, o, _, _)| *o).collect();
+    let codes = client.get_into(&keys, &bufs, &offsets);
+    for (i, (_, slot, _, _, r)) in gets.into_iter().enumerate() {
         let rc = nth(&codes, i);
         let slot = keep_or_poison(slot, &rc);
         let _ = r.send((slot, rc));

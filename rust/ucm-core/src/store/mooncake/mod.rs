@@ -8,9 +8,9 @@
 //! and checksum, so a corrupt, truncated or foreign value is a load error,
 //! never wrong bytes. A put makes an object visible whole, so layer-wise
 //! dumps are staged per block and put when their last shard arrives
-//! ([`staging`], as for S3). Mooncake reads whole objects: a load fetches
-//! the block into a registered slot ([`arena`]) and verifies the shards it
-//! needs before copying them out.
+//! ([`staging`], as for S3). A load fetches the byte range of the shards
+//! it needs (one ranged get) into a registered slot ([`arena`]) and
+//! verifies them before copying them out.
 //!
 //! # Failures
 //!
@@ -222,26 +222,26 @@ impl RemoteBackend for MooncakeBackend {
         }
     }
 
-    /// Fetches the whole object into a slot (Mooncake has no partial read
-    /// in its TCP path) and hands out the asked range.
+    /// One ranged get into a slot: the shards asked for, not the whole
+    /// block (a layer-wise load reads one shard per layer).
     async fn read(&self, id: &BlockId, offset: u64, len: usize) -> Result<SlotBytes> {
         let slot = self.arena.acquire().await;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
-        let outcome = self.calls.get(self.key(id), slot).await?;
+        let outcome = self.calls.get(self.key(id), slot, offset, len).await?;
         let what = format!("block {id}");
         match outcome {
             (Some(slot), Ok(n)) if n >= 0 => {
                 // A shorter object reads as a truncated block below.
-                let end = (n as usize).min(slot.buf().len);
-                let start = (offset as usize).min(end);
-                Ok(SlotBytes::new(slot, start, len.min(end - start)))
+                let n = (n as usize).min(len);
+                Ok(SlotBytes::new(slot, 0, n))
             }
             (_, Ok(code::INVALID_PARAMS)) => Err(UcmError::Corrupt {
                 block: Some(*id),
                 shard: None,
                 damage: Damage::Truncated,
                 detail: format!(
-                    "{what} in {}: the stored value is larger than a block of this layout",
+                    "{what} in {}: the stored value ends before the shards asked for (shorter \
+                     than a block of this layout)",
                     self.location
                 ),
             }),
