@@ -314,10 +314,10 @@ def bench_mooncake(args: argparse.Namespace, shard: int) -> None:
             f"(batched calls) against the client's one-at-a-time loop"
         )
         row("dump (batch_put_from)", total / d / 1e6, total / bput / 1e6, "MB/s")
-        row("load (ranged gets)", total / ld / 1e6, total / bget / 1e6, "MB/s")
+        row("load (batch_get_into)", total / ld / 1e6, total / bget / 1e6, "MB/s")
         lw = min(layerwise_load(store, range(r * args.blocks, (r + 1) * args.blocks), out)
                  for r in range(reps))  # fmt: skip
-        row("load, one task per shard", total / lw / 1e6, total / bget / 1e6, "MB/s")
+        row("load, a task per shard (ranged)", total / lw / 1e6, total / bget / 1e6, "MB/s")
 
         ids = [bid(n) for n in range(args.blocks)]
         with cluster.on_host(1):

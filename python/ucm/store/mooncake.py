@@ -4,9 +4,9 @@ The store itself (block format, staging, verified loads, failures) is in the
 Rust core; what lives here is the part only Python can do: importing
 ``mooncake.store`` (from ``mooncake-transfer-engine-non-cuda`` on PyPI, or
 the CUDA and RDMA builds), calling ``setup`` and wrapping the calls the
-core makes in :class:`MooncakePool`. Blocks go through ``batch_put_from``
-and ranged gets (``get_into_ranges``) on memory the core registered, so no
-block is ever copied into a Python object.
+core makes in :class:`MooncakePool`. Blocks go through ``batch_put_from``,
+``batch_get_into`` and ranged gets (``get_into_ranges``) on memory the core
+registered, so no block is ever copied into a Python object.
 """
 
 from __future__ import annotations
@@ -190,7 +190,13 @@ class MooncakePool:
             self._client.batch_put_from(list(keys), list(addrs), list(lens), self._replicate)
         )
 
-    def get_into(
+    def get_whole(
+        self, keys: Sequence[str], addrs: Sequence[int], lens: Sequence[int]
+    ) -> list[int]:
+        """Each whole object into its buffer (``lens[i]`` bytes at least)."""
+        return list(self._client.batch_get_into(list(keys), list(addrs), list(lens)))
+
+    def get_ranges(
         self,
         keys: Sequence[str],
         addrs: Sequence[int],

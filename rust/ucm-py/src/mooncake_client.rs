@@ -21,7 +21,8 @@ impl PyPoolClient {
         for m in [
             "sizes",
             "put_from",
-            "get_into",
+            "get_whole",
+            "get_ranges",
             "remove",
             "register",
             "unregister",
@@ -65,14 +66,19 @@ impl PoolClient for PyPoolClient {
         self.codes("put_from", (keys.to_vec(), addrs, lens))
     }
 
-    fn get_into(
+    fn get_whole(&self, keys: &[String], bufs: &[Buf]) -> Result<Vec<i64>, UcmError> {
+        let (addrs, lens) = split(bufs);
+        self.codes("get_whole", (keys.to_vec(), addrs, lens))
+    }
+
+    fn get_ranges(
         &self,
         keys: &[String],
         bufs: &[Buf],
         offsets: &[u64],
     ) -> Result<Vec<i64>, UcmError> {
         let (addrs, lens) = split(bufs);
-        self.codes("get_into", (keys.to_vec(), addrs, lens, offsets.to_vec()))
+        self.codes("get_ranges", (keys.to_vec(), addrs, lens, offsets.to_vec()))
     }
 
     fn remove(&self, keys: &[String]) -> Result<Vec<i64>, UcmError> {

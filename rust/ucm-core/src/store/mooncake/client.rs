@@ -37,9 +37,12 @@ pub trait PoolClient: Send + Sync + 'static {
     fn sizes(&self, keys: &[String]) -> Result<Vec<i64>>;
     /// Writes each buffer as the object under its key.
     fn put_from(&self, keys: &[String], bufs: &[Buf]) -> Result<Vec<i64>>;
+    /// Reads each whole object into its buffer (at least as long): the
+    /// bytes read, or a code.
+    fn get_whole(&self, keys: &[String], bufs: &[Buf]) -> Result<Vec<i64>>;
     /// Reads `bufs[i].len` bytes of each object, from byte `offsets[i]`,
     /// into its buffer: the bytes read, or a code.
-    fn get_into(&self, keys: &[String], bufs: &[Buf], offsets: &[u64]) -> Result<Vec<i64>>;
+    fn get_ranges(&self, keys: &[String], bufs: &[Buf], offsets: &[u64]) -> Result<Vec<i64>>;
     /// Removes the objects under `keys`.
     fn remove(&self, keys: &[String]) -> Result<Vec<i64>>;
     /// Registers memory the transfer engine may read and write directly.
@@ -61,7 +64,12 @@ type Reply<T> = tokio::sync::oneshot::Sender<T>;
 /// the reply (see [`slot_is_safe_after`]).
 enum Call {
     Size(String, Reply<Result<i64>>),
-    Get(String, Slot, u64, usize, Reply<(Option<Slot>, Result<i64>)>),
+    Get(
+        String,
+        Slot,
+        Option<(u64, usize)>,
+        Reply<(Option<Slot>, Result<i64>)>,
+    ),
     Put(String, Slot, usize, Reply<Result<i64>>),
     Remove(String, Reply<Result<i64>>),
 }
@@ -183,19 +191,18 @@ impl CallPool {
         self.send(Call::Size(key, tx), rx)
     }
 
-    /// Reads `len` bytes of the object under `key`, from byte `offset`,
-    /// into the start of `slot`: the bytes read (or a code), and the slot
-    /// back unless the call may still be writing it. The call runs to its
-    /// end even if the future is dropped.
+    /// Reads the object under `key` into the start of `slot`: all of it
+    /// (`range` None), or `len` bytes from byte `offset`. Answers the bytes
+    /// read (or a code), and the slot back unless the call may still be
+    /// writing it. The call runs to its end even if the future is dropped.
     pub fn get(
         &self,
         key: String,
         slot: Slot,
-        offset: u64,
-        len: usize,
+        range: Option<(u64, usize)>,
     ) -> impl Future<Output = Result<(Option<Slot>, Result<i64>)>> + Send + 'static {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.send(Call::Get(key, slot, offset, len, tx), rx)
+        self.send(Call::Get(key, slot, range, tx), rx)
     }
 
     /// Writes the first `len` bytes of `slot` as the object under `key`.
@@ -275,12 +282,20 @@ fn run_batch(client: &dyn PoolClient, batch: Vec<Call>) {
     for c in batch {
         match c {
             Call::Size(k, r) => sizes.push((k, r)),
-            Call::Get(k, s, o, n, r) => gets.push((k, s, o, n, r)),
+            Call::Get(k, s, range, r) => gets.push((k, s, range, r)),
             Call::Put(k, s, n, r) => puts.push((k, s, n, r)),
             Call::Remove(k, r) => removes.push((k, r)),
         }
     }
-    for round in unique_rounds(gets, |(k, _, _, _, _)| k) {
+    // Whole blocks go through batch_get_into, which is faster for them;
+    // parts of blocks (a layer's shard) through ranged gets.
+    let (whole, ranged): (Vec<GetCall>, Vec<GetCall>) = gets
+        .into_iter()
+        .partition(|(_, _, range, _)| range.is_none());
+    for round in unique_rounds(whole, |(k, ..)| k) {
+        get_round(client, round);
+    }
+    for round in unique_rounds(ranged, |(k, ..)| k) {
         get_round(client, round);
     }
     for round in unique_rounds(puts, |(k, _, _, _)| k) {
@@ -302,21 +317,34 @@ fn run_batch(client: &dyn PoolClient, batch: Vec<Call>) {
     }
 }
 
-type GetCall = (String, Slot, u64, usize, Reply<(Option<Slot>, Result<i64>)>);
+type GetCall = (
+    String,
+    Slot,
+    Option<(u64, usize)>,
+    Reply<(Option<Slot>, Result<i64>)>,
+);
 type PutCall = (String, Slot, usize, Reply<Result<i64>>);
 
+/// One client call for gets that are all whole or all ranged.
 fn get_round(client: &dyn PoolClient, gets: Vec<GetCall>) {
     let keys: Vec<String> = gets.iter().map(|(k, ..)| k.clone()).collect();
     let bufs: Vec<Buf> = gets
         .iter()
-        .map(|(_, s, _, n, _)| Buf {
+        .map(|(_, s, range, _)| Buf {
             addr: s.buf().addr,
-            len: (*n).min(s.buf().len),
+            len: range.map_or(s.buf().len, |(_, n)| n.min(s.buf().len)),
         })
         .collect();
-    let offsets: Vec<u64> = gets.iter().map(|(_, _, o, _, _)| *o).collect();
-    let codes = client.get_into(&keys, &bufs, &offsets);
-    for (i, (_, slot, _, _, r)) in gets.into_iter().enumerate() {
+    let codes = if gets.first().is_some_and(|(_, _, range, _)| range.is_none()) {
+        client.get_whole(&keys, &bufs)
+    } else {
+        let offsets: Vec<u64> = gets
+            .iter()
+            .map(|(_, _, range, _)| range.map_or(0, |(o, _)| o))
+            .collect();
+        client.get_ranges(&keys, &bufs, &offsets)
+    };
+    for (i, (_, slot, _, r)) in gets.into_iter().enumerate() {
         let rc = nth(&codes, i);
         let slot = keep_or_poison(slot, &rc);
         let _ = r.send((slot, rc));

@@ -8,9 +8,9 @@
 //! and checksum, so a corrupt, truncated or foreign value is a load error,
 //! never wrong bytes. A put makes an object visible whole, so layer-wise
 //! dumps are staged per block and put when their last shard arrives
-//! ([`staging`], as for S3). A load fetches the byte range of the shards
-//! it needs (one ranged get) into a registered slot ([`arena`]) and
-//! verifies them before copying them out.
+//! ([`staging`], as for S3). A load fetches the block, or the byte range
+//! of the shards it needs (one ranged get), into a registered slot
+//! ([`arena`]) and verifies them before copying them out.
 //!
 //! # Failures
 //!
@@ -43,7 +43,7 @@ use super::remote::staging::{self, Stager, Uploader};
 use super::remote::{Breaker, LookupCache, RemoteBackend, RemoteCore, RemoteStore, Runtime};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Damage, Result, UcmError};
-use crate::store::format::codec::is_layout_mismatch;
+use crate::store::format::codec::{is_layout_mismatch, read_len};
 use crate::store::format::layout::Layout;
 
 /// Presence probes in flight during a lookup (they reach the client as
@@ -222,12 +222,16 @@ impl RemoteBackend for MooncakeBackend {
         }
     }
 
-    /// One ranged get into a slot: the shards asked for, not the whole
-    /// block (a layer-wise load reads one shard per layer).
+    /// One get into a slot: the whole block when all its shards are asked
+    /// for, else a ranged get of just those (a layer-wise load reads one
+    /// shard per layer).
     async fn read(&self, id: &BlockId, offset: u64, len: usize) -> Result<SlotBytes> {
+        let layout = &self.core.layout;
+        let whole_read = layout.offset(layout.shard_count - 1) as usize + read_len(layout);
+        let range = (offset != 0 || len < whole_read).then_some((offset, len));
         let slot = self.arena.acquire().await;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
-        let outcome = self.calls.get(self.key(id), slot, offset, len).await?;
+        let outcome = self.calls.get(self.key(id), slot, range).await?;
         let what = format!("block {id}");
         match outcome {
             (Some(slot), Ok(n)) if n >= 0 => {
@@ -240,8 +244,7 @@ impl RemoteBackend for MooncakeBackend {
                 shard: None,
                 damage: Damage::Truncated,
                 detail: format!(
-                    "{what} in {}: the stored value ends before the shards asked for (shorter \
-                     than a block of this layout)",
+                    "{what} in {}: the stored value is not the size of a block of this layout",
                     self.location
                 ),
             }),
