@@ -245,16 +245,19 @@ def test_a_full_pool_fails_dumps_and_serving_goes_on(mooncake: MooncakeCluster) 
         t = [[out[s, 0], out[s, 1]] for s in range(4)]
         store.wait(store.load([bid(stored[-1])] * 4, list(range(4)), t))
         assert np.array_equal(out, blocks[stored[-1]])
-        deadline = time.monotonic() + 20
-        while True:  # the master evicts at its high watermark
-            try:
-                put(11)
-                break
-            except NoSpaceError:
-                assert time.monotonic() < deadline, "the pool never made room"
-                time.sleep(0.5)
-        # The room came from evicting blocks: an evicted block is a miss (the
-        # engine recomputes it), never wrong bytes; the rest still load.
+        # Three more blocks: 24 MiB the full pool can only find by evicting
+        # stored blocks (what else it holds is under 1 MiB).
+        for n in (9, 10, 11):
+            deadline = time.monotonic() + 20
+            while True:  # the master evicts at its high watermark
+                try:
+                    put(n)
+                    break
+                except NoSpaceError:
+                    assert time.monotonic() < deadline, "the pool never made room"
+                    time.sleep(0.5)
+        # An evicted block is a miss (the engine recomputes it), never wrong
+        # bytes; the rest still load.
         evicted = 0
         for n in stored:
             out = np.zeros((4, 2, big // 2), dtype=np.uint8)
