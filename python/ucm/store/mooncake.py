@@ -122,10 +122,9 @@ class MooncakePool:
     """A Mooncake client joined to a pool, with the calls the core makes.
     Every call returns one Mooncake code per key (``>= 0`` is success)."""
 
-    def __init__(self, client: Any, replicate: Any, master: str) -> None:
+    def __init__(self, client: Any, replicate: Any) -> None:
         self._client = client
         self._replicate = replicate
-        self.master = master
         self._lock = threading.Lock()
         self._closed = False
 
@@ -177,7 +176,7 @@ class MooncakePool:
         replicate.replica_num = int(cfg.mooncake_replica_num)
         if cfg.mooncake_soft_pin:
             replicate.soft_pin_action = store.SoftPinAction.ENABLE
-        return cls(client, replicate, master)
+        return cls(client, replicate)
 
     # -- the calls the core makes (on its own threads, GIL released inside)
     def sizes(self, keys: Sequence[str]) -> list[int]:

@@ -566,16 +566,15 @@ class UCMSchedulerSide:
         full = st.handover_at // B
         keys = st.keys[:full]
         store = self.store.get()
-        try:
-            if store is None:
-                raise RuntimeError("no store")
-            found = store.lookup_on_prefix(keys) + 1 if keys else 0
-            tail = st.tail if found == full and st.tail is not None else None
-            if tail is not None and not store.lookup([tail])[0]:
-                tail = None
-        except Exception as e:
-            self.store.report_failure(e, "lookup")
-            found, tail = 0, None
+        found, tail = 0, None
+        if store is not None:
+            try:
+                found = store.lookup_on_prefix(keys) + 1 if keys else 0
+                if found == full and st.tail is not None and store.lookup([st.tail])[0]:
+                    tail = st.tail
+            except Exception as e:
+                self.store.report_failure(e, "lookup")
+                found, tail = 0, None
         missing = full - found + (st.tail is not None and tail is None)
         if missing:
             logger.warning(

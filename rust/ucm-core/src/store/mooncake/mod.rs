@@ -125,11 +125,6 @@ impl RemoteStore<MooncakeBackend> {
         );
         Ok(RemoteStore::new(Arc::new(backend), runtime))
     }
-
-    /// The pool key of a block (for tools and tests).
-    pub fn object_key(&self, id: &BlockId) -> String {
-        self.backend().key(id)
-    }
 }
 
 impl MooncakeBackend {
