@@ -133,15 +133,20 @@ class MooncakeCluster:
             **overrides,
         }
 
-    def _wait_port(self, port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    def _start(self, name: str, cmd: list[str], port: int) -> subprocess.Popen[bytes]:
+        """``cmd`` on host 1, logging to ``<name>.log``, once it listens on ``port``."""
+        with open(self.dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(self.nsenter(0, cmd), stdout=log, stderr=subprocess.STDOUT)
         connect = f"import socket; socket.create_connection(('{HOST_ADDRS[0]}', {port}), 1)"
         until = time.monotonic() + 30
         while subprocess.run(
             self.nsenter(0, [sys.executable, "-c", connect]), capture_output=True
         ).returncode:
             if proc.poll() is not None or time.monotonic() > until:
-                raise RuntimeError(f"{what} did not start; see {self.dir}")
+                kill_process(proc)
+                raise RuntimeError(f"{cmd[0]} did not start; see {self.dir}")
             time.sleep(0.1)
+        return proc
 
     def start_master(self) -> None:
         cmd = self.master_cmd or [
@@ -152,10 +157,7 @@ class MooncakeCluster:
             "--rpc_thread_num=4",
             f"--default_kv_lease_ttl={self.lease_ms}",
         ]
-        log = open(self.dir / "master.log", "ab")
-        self.master = subprocess.Popen(self.nsenter(0, cmd), stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self._wait_port(MASTER_PORT, self.master, "mooncake_master")
+        self.master = self._start("master", cmd, MASTER_PORT)
 
     def start_service(self) -> None:
         cmd = self.service_cmd or [
@@ -167,10 +169,7 @@ class MooncakeCluster:
             "--protocol=tcp",
             f"--port={SERVICE_PORT}",
         ]
-        log = open(self.dir / "service.log", "ab")
-        self.service = subprocess.Popen(self.nsenter(0, cmd), stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self._wait_port(SERVICE_PORT, self.service, "mooncake_client")
+        self.service = self._start("service", cmd, SERVICE_PORT)
         time.sleep(0.5)  # its segment is mounted right after it listens
 
     def stop_master(self) -> None:
