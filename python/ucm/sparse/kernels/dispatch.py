@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import threading
 from types import ModuleType
 from typing import Literal
@@ -74,6 +75,17 @@ def require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def gqa_group(h_q: int, h_kv: int) -> int:
+    """Query heads per kv head; ``ValueError`` unless ``h_kv`` divides ``h_q``."""
+    require(h_q % h_kv == 0, f"{h_q} query heads are not a multiple of {h_kv} kv heads")
+    return h_q // h_kv
+
+
+def softmax_scale(head_dim: int, scale: float | None) -> float:
+    """The attention softmax scale: ``scale``, or ``1/sqrt(head_dim)`` when None."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
 def dot_pad(n: int) -> int:
     """Padded size of a ``tl.dot`` operand dimension (power of two, >= 16)."""
     return max(MIN_DOT, next_power_of_2(n))
@@ -100,9 +112,11 @@ __all__ = [
     "Impl",
     "choose_num_splits",
     "dot_pad",
+    "gqa_group",
     "launch_guard",
     "launchers_of",
     "require",
+    "softmax_scale",
     "triton_usable",
     "use_triton",
 ]

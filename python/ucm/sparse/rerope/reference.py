@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from ucm.sparse.kernels.dispatch import softmax_scale
 from ucm.sparse.kernels.rope import apply_rope, cos_sin_at, rotate
 
 
@@ -86,7 +87,7 @@ def rerope_attention_dense(
     n, h_q, d = q.shape
     h_kv = k.shape[1]
     g = h_q // h_kv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = softmax_scale(d, scale)
     pos = torch.arange(start_pos, start_pos + n)
     qf = q.float() * log_n_scale(pos, training_length).view(-1, 1, 1)
     kf = k.float().repeat_interleave(g, dim=1)

@@ -7,13 +7,20 @@ attention launch never reads, pick the tile sizes and the grid, and launch.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 
 from ucm.sparse.kernels.attention import jit
 from ucm.sparse.kernels.attention.reference import default_q_positions
-from ucm.sparse.kernels.dispatch import choose_num_splits, dot_pad, launch_guard, require
+from ucm.sparse.kernels.dispatch import (
+    choose_num_splits,
+    dot_pad,
+    gqa_group,
+    launch_guard,
+    require,
+    softmax_scale,
+)
 from ucm.sparse.kernels.triton_utils import INTERPRET, cdiv, next_power_of_2
 
 #: Query rows (tokens x GQA heads) per prefill program.
@@ -29,7 +36,51 @@ def prefill_tiles(group: int, block_m: int = PREFILL_BLOCK_M) -> tuple[int, int]
     return bm, max(1, bm // group)
 
 
-def _common(q, k_cache, v_cache, q_w, k2_cache, window):
+@dataclass(frozen=True)
+class _Operands:
+    """What both attention launches take from the same checks: the (possibly
+    placeholder) ReRoPE operands, the GQA geometry and the precision flags."""
+
+    q: torch.Tensor
+    q_w: torch.Tensor
+    k_cache: torch.Tensor
+    k2_cache: torch.Tensor
+    v_cache: torch.Tensor
+    h_kv: int
+    group: int
+    head_dim: int
+    scale: float
+    window: int
+    rerope: bool
+    upcast: bool
+    ieee: bool
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """The five operands, in the kernels' argument order."""
+        return self.q, self.q_w, self.k_cache, self.k2_cache, self.v_cache
+
+    def strides(self) -> tuple[int, ...]:
+        """The strides of :meth:`pointers`, in the kernels' argument order."""
+        return tuple(x for t in self.pointers() for x in t.stride())
+
+    def flags(self) -> dict[str, bool]:
+        """The constexpr flags every attention kernel takes."""
+        return {"REROPE": self.rerope, "IEEE": self.ieee, "UPCAST": self.upcast}
+
+    def new_output(self) -> torch.Tensor:
+        """An output like ``q`` (one row per query token)."""
+        return torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
+
+
+def _operands(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_w: torch.Tensor | None,
+    k2_cache: torch.Tensor | None,
+    window: int | None,
+    scale: float | None,
+) -> _Operands:
     require(q.dim() == 3, f"q must be [T, H_q, D], got {tuple(q.shape)}")
     require(k_cache.dim() == 4 and v_cache.dim() == 4, "caches must be [num_blocks, B, H_kv, D]")
     require(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
@@ -37,7 +88,7 @@ def _common(q, k_cache, v_cache, q_w, k2_cache, window):
     h_q, d = q.shape[1], q.shape[2]
     h_kv = k_cache.shape[2]
     require(k_cache.shape[3] == d, f"q head dim {d} != cache head dim {k_cache.shape[3]}")
-    require(h_q % h_kv == 0, f"{h_q} query heads are not a multiple of {h_kv} kv heads")
+    group = gqa_group(h_q, h_kv)
     rerope = window is not None
     if rerope:
         require(q_w is not None and k2_cache is not None, "ReRoPE needs q_w and k2_cache")
@@ -48,8 +99,21 @@ def _common(q, k_cache, v_cache, q_w, k2_cache, window):
     else:
         q_w, k2_cache = q, k_cache  # placeholders, never read (REROPE=False)
     upcast = INTERPRET and k_cache.dtype != torch.float32
-    ieee = upcast or k_cache.dtype == torch.float32
-    return q_w, k2_cache, h_kv, h_q // h_kv, d, rerope, upcast, ieee
+    return _Operands(
+        q=q,
+        q_w=q_w,
+        k_cache=k_cache,
+        k2_cache=k2_cache,
+        v_cache=v_cache,
+        h_kv=h_kv,
+        group=group,
+        head_dim=d,
+        scale=softmax_scale(d, scale),
+        window=int(window) if rerope else 0,
+        rerope=rerope,
+        upcast=upcast,
+        ieee=upcast or k_cache.dtype == torch.float32,
+    )
 
 
 def paged_prefill_attention(
@@ -73,16 +137,13 @@ def paged_prefill_attention(
     ``max_query_len`` sizes the grid; ``None`` reads it from
     ``query_start_loc`` (a device sync).
     """
-    q_w, k2_cache, h_kv, g, d, rerope, upcast, ieee = _common(
-        q, k_cache, v_cache, q_w, k2_cache, window
-    )
-    t, h_q, _ = q.shape
+    ops = _operands(q, k_cache, v_cache, q_w, k2_cache, window, scale)
+    t = q.shape[0]
     s = seq_lens.numel()
     require(query_start_loc.numel() == s + 1, "query_start_loc must be [S + 1]")
     require(block_table.dim() == 2 and block_table.shape[0] == s, "block_table must be [S, n]")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if out is None:
-        out = torch.empty(t, h_q, d, dtype=q.dtype, device=q.device)
+        out = ops.new_output()
     if s == 0 or t == 0:
         return out
     dev = q.device
@@ -95,39 +156,29 @@ def paged_prefill_attention(
     block_table = block_table.to(device=dev, dtype=torch.int32)
     if max_query_len is None:
         max_query_len = int((qsl[1:] - qsl[:-1]).max())
-    bm, bq = prefill_tiles(g)
-    grid = (s, cdiv(max_query_len, bq), h_kv)
+    bm, bq = prefill_tiles(ops.group)
+    grid = (s, cdiv(max_query_len, bq), ops.h_kv)
     with launch_guard():
         jit.paged_prefill_kernel[grid](
-            q,
-            q_w,
-            k_cache,
-            k2_cache,
-            v_cache,
+            *ops.pointers(),
             out,
             block_table,
             seq_lens,
             qsl,
             q_positions,
-            *q.stride(),
-            *q_w.stride(),
-            *k_cache.stride(),
-            *k2_cache.stride(),
-            *v_cache.stride(),
+            *ops.strides(),
             *out.stride(),
             *block_table.stride(),
-            scale,
-            int(window) if rerope else 0,
-            GROUP=g,
-            HEAD_DIM=d,
-            D_PAD=dot_pad(d),
+            ops.scale,
+            ops.window,
+            GROUP=ops.group,
+            HEAD_DIM=ops.head_dim,
+            D_PAD=dot_pad(ops.head_dim),
             BLOCK_SIZE=k_cache.shape[1],
             BLOCK_M=bm,
             BLOCK_Q=bq,
             BLOCK_N=PREFILL_BLOCK_N,
-            REROPE=rerope,
-            IEEE=ieee,
-            UPCAST=upcast,
+            **ops.flags(),
         )
     return out
 
@@ -155,15 +206,12 @@ def paged_decode_attention(
     (:func:`ucm.sparse.kernels.attention.reference.paged_decode_attention`).
     ``num_splits`` forces the split count (default: :func:`choose_num_splits`).
     """
-    q_w, k2_cache, h_kv, g, d, rerope, upcast, ieee = _common(
-        q, k_cache, v_cache, q_w, k2_cache, window
-    )
-    s, h_q, _ = q.shape
+    ops = _operands(q, k_cache, v_cache, q_w, k2_cache, window, scale)
+    s, h_q, d = q.shape
     require(seq_lens.numel() == s, "seq_lens must be [S]")
     require(block_table.dim() == 2 and block_table.shape[0] == s, "block_table must be [S, n]")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if out is None:
-        out = torch.empty(s, h_q, d, dtype=q.dtype, device=q.device)
+        out = ops.new_output()
     if s == 0:
         return out
     dev = q.device
@@ -173,43 +221,33 @@ def paged_decode_attention(
     q_positions = q_positions.to(device=dev, dtype=torch.int32).contiguous()
     block_table = block_table.to(device=dev, dtype=torch.int32)
     b = k_cache.shape[1]
-    splits = num_splits or choose_num_splits(s, h_kv, block_table.shape[1])
+    splits = num_splits or choose_num_splits(s, ops.h_kv, block_table.shape[1])
     acc = torch.empty(s, h_q, splits, d, dtype=torch.float32, device=dev)
     m = torch.empty(s, h_q, splits, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
     with launch_guard():
-        jit.paged_decode_split_kernel[(s, h_kv, splits)](
-            q,
-            q_w,
-            k_cache,
-            k2_cache,
-            v_cache,
+        jit.paged_decode_split_kernel[(s, ops.h_kv, splits)](
+            *ops.pointers(),
             block_table,
             seq_lens,
             q_positions,
             acc,
             m,
             lsum,
-            *q.stride(),
-            *q_w.stride(),
-            *k_cache.stride(),
-            *k2_cache.stride(),
-            *v_cache.stride(),
+            *ops.strides(),
             *block_table.stride(),
             *acc.stride(),
             *m.stride(),
-            scale,
-            int(window) if rerope else 0,
-            GROUP=g,
-            GROUP_PAD=dot_pad(g),
+            ops.scale,
+            ops.window,
+            GROUP=ops.group,
+            GROUP_PAD=dot_pad(ops.group),
             HEAD_DIM=d,
             D_PAD=dot_pad(d),
             BLOCK_SIZE=b,
             BLOCK_N=dot_pad(b),
             NUM_SPLITS=splits,
-            REROPE=rerope,
-            IEEE=ieee,
-            UPCAST=upcast,
+            **ops.flags(),
         )
     with launch_guard():
         jit.paged_decode_reduce_kernel[(s, h_q)](

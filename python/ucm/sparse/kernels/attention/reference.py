@@ -22,9 +22,9 @@ key are less than ``window`` positions apart and ``S2 = q_w . k2`` otherwise
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from ucm.sparse.kernels.dispatch import softmax_scale
 
 
 def paged_decode_attention(
@@ -51,7 +51,7 @@ def paged_decode_attention(
     s, h_q, d = q.shape
     b, h_kv = k_cache.shape[1], k_cache.shape[2]
     g = h_q // h_kv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = softmax_scale(d, scale)
     out = torch.zeros(s, h_q, d, dtype=torch.float32, device=q.device)
     for i in range(s):
         sl = int(seq_lens[i])
@@ -116,7 +116,7 @@ def paged_attention(
     t, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     g = h_q // h_kv
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = softmax_scale(d, scale)
     rerope = window is not None
     if rerope and (q_w is None or k2_cache is None):
         raise ValueError("ReRoPE needs q_w and k2_cache")

@@ -17,6 +17,12 @@ def delta_rope_tile(block_size: int) -> int:
     return min(64, next_power_of_2(block_size))
 
 
+def _require_paged_keys(k_cache: torch.Tensor) -> None:
+    require(
+        k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H, D], got {tuple(k_cache.shape)}"
+    )
+
+
 def delta_rope(
     k_cache: torch.Tensor,
     block_ids: torch.Tensor,
@@ -31,9 +37,7 @@ def delta_rope(
     ``validate`` checks that block ids are distinct and deltas fit the table;
     both read device values back (a sync), so hot paths pass False.
     """
-    require(
-        k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H, D], got {tuple(k_cache.shape)}"
-    )
+    _require_paged_keys(k_cache)
     _, b, h, d = k_cache.shape
     _delta_rope_launch(
         k_cache,
@@ -157,9 +161,7 @@ def kv_deviation(
     k_cache: torch.Tensor, slots: torch.Tensor, k_fresh: torch.Tensor, block_t: int = 32
 ) -> torch.Tensor:
     """Triton :func:`ucm.sparse.kernels.keys.reference.kv_deviation`."""
-    require(
-        k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H, D], got {tuple(k_cache.shape)}"
-    )
+    _require_paged_keys(k_cache)
     require(k_fresh.dim() == 3, f"k_fresh must be [T, H, D], got {tuple(k_fresh.shape)}")
     _, b, h, d = k_cache.shape
     t = k_fresh.shape[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse.kernels.dispatch import MIN_DOT, dot_pad, launch_guard, require
+from ucm.sparse.kernels.dispatch import MIN_DOT, dot_pad, gqa_group, launch_guard, require
 from ucm.sparse.kernels.selection import jit
 from ucm.sparse.kernels.triton_utils import cdiv, next_power_of_2
 
@@ -68,11 +68,6 @@ def block_representatives(
     return out
 
 
-def _group_for(h_q: int, h_kv: int) -> int:
-    require(h_q % h_kv == 0, f"{h_q} query heads are not a multiple of {h_kv} kv heads")
-    return h_q // h_kv
-
-
 def block_scores_dot(
     q: torch.Tensor,
     rep_pool: torch.Tensor,
@@ -90,7 +85,7 @@ def block_scores_dot(
         require(h_kv % h_q == 0, f"{h_kv} kv heads are not a multiple of {h_q} query heads")
         q = q.repeat_interleave(h_kv // h_q, dim=1)
         h_q = h_kv
-    g = _group_for(h_q, h_kv)
+    g = gqa_group(h_q, h_kv)
     n_max = rep_table.shape[1]
     rep_table = rep_table.to(torch.int32)
     num_reps = num_reps.to(device=q.device, dtype=torch.int32)
@@ -134,7 +129,7 @@ def kvstar_vote_scores(
     require(rep_pool.dim() == 4, f"rep_pool must be [P, M, H_kv, D'], got {rep_pool.shape}")
     s, x, h_q, _ = q.shape
     _, m, h_kv, dp = rep_pool.shape
-    g = _group_for(h_q, h_kv)
+    g = gqa_group(h_q, h_kv)
     require(
         tuple(channels.shape) == (s, h_kv, dp),
         f"channels must be [{s}, {h_kv}, {dp}], got {tuple(channels.shape)}",

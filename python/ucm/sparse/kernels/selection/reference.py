@@ -28,9 +28,9 @@ Shape conventions (used throughout :mod:`ucm.sparse`):
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from ucm.sparse.kernels.dispatch import softmax_scale
 
 #: Hamming score of a forced (always kept) block: below any real distance.
 FORCED_SCORE = -1
@@ -306,6 +306,6 @@ def dense_attention_weights(
     """
     h_q, d = q.shape
     g = h_q // k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = softmax_scale(d, scale)
     kk = k.float().repeat_interleave(g, dim=1)
     return torch.softmax(torch.einsum("hd,lhd->hl", q.float(), kk) * scale, dim=-1)
