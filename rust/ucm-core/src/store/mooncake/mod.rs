@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use self::arena::{Arena, SlotBytes};
 use self::client::{code, CallPool};
-use super::remote::staging::{self, Stager, Uploader};
+use super::remote::staging::{self, RequestCounters, Stager, Uploader};
 use super::remote::{Breaker, LookupCache, RemoteBackend, RemoteCore, RemoteStore, Runtime};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Damage, Result, UcmError};
@@ -50,15 +50,6 @@ use crate::store::format::layout::Layout;
 /// one call per batch).
 const LOOKUP_CONCURRENCY: usize = 64;
 
-/// Counters of the Mooncake backend (the shell counts lookups and loads).
-#[derive(Default)]
-struct Counters {
-    gets: AtomicU64,
-    puts: AtomicU64,
-    pool_full: AtomicU64,
-    request_errors: AtomicU64,
-}
-
 /// The Mooncake side of a [`MooncakeStore`].
 pub struct MooncakeBackend {
     core: RemoteCore,
@@ -67,7 +58,10 @@ pub struct MooncakeBackend {
     calls: CallPool,
     arena: Arc<Arena>,
     stager: Stager,
-    counters: Counters,
+    /// Requests to the pool (the shell counts lookups and loads).
+    counters: RequestCounters,
+    /// Puts refused because the pool was full.
+    pool_full: AtomicU64,
 }
 
 /// Blocks in a Mooncake Store pool.
@@ -99,11 +93,7 @@ impl RemoteStore<MooncakeBackend> {
         let core = RemoteCore::new(
             layout,
             runtime.handle(),
-            LookupCache::new(
-                Duration::from_millis(cfg.lookup_cache_ttl_ms),
-                Duration::from_millis(cfg.negative_cache_ttl_ms),
-                1 << 20,
-            ),
+            LookupCache::from_ttl_ms(cfg.lookup_cache_ttl_ms, cfg.negative_cache_ttl_ms),
             Arc::new(Breaker::default()),
             cfg.timeout_ms,
             // Probes in flight: they go together to the size-query thread.
@@ -114,7 +104,8 @@ impl RemoteStore<MooncakeBackend> {
             core,
             location: format!("mooncake://{}/{}", cfg.master, cfg.key_prefix),
             stager: Stager::new(cfg.staging_bytes),
-            counters: Counters::default(),
+            counters: RequestCounters::default(),
+            pool_full: AtomicU64::new(0),
             calls,
             arena,
             cfg,
@@ -148,7 +139,7 @@ impl MooncakeBackend {
         let err = match rc {
             code::OBJECT_NOT_FOUND | code::LEASE_EXPIRED => UcmError::NotFound(msg),
             code::NO_AVAILABLE_HANDLE => {
-                self.counters.pool_full.fetch_add(1, Ordering::Relaxed);
+                self.pool_full.fetch_add(1, Ordering::Relaxed);
                 UcmError::NoSpace(msg)
             }
             code::RPC_TIMEOUT => UcmError::Timeout(msg),
@@ -260,22 +251,15 @@ impl RemoteBackend for MooncakeBackend {
     }
 
     fn before_shutdown(self: &Arc<Self>) {
-        // Let writes already started finish (bounded by their timeouts).
-        self.stager.drain(
-            Self::NAME,
-            Duration::from_millis(self.cfg.timeout_ms.max(1000)),
-        );
+        self.drain_uploads();
         self.calls.shutdown(Duration::from_millis(
             self.cfg.timeout_ms.clamp(1000, 10_000),
         ));
     }
 
     fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {
-        let c = &self.counters;
-        put("get_requests", c.gets.load(Ordering::Relaxed));
-        put("put_requests", c.puts.load(Ordering::Relaxed));
-        put("pool_full", c.pool_full.load(Ordering::Relaxed));
-        put("request_errors", c.request_errors.load(Ordering::Relaxed));
+        self.counters.add_stats(put);
+        put("pool_full", self.pool_full.load(Ordering::Relaxed));
         put("poisoned_slots", self.arena.poisoned());
         self.stager.add_stats(put);
     }

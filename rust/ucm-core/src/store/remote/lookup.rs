@@ -35,6 +35,16 @@ impl LookupCache {
         }
     }
 
+    /// The cache of a remote tier: present results kept `positive_ms`,
+    /// absent ones `negative_ms` (its `*_cache_ttl_ms` keys), up to 2^20 ids.
+    pub fn from_ttl_ms(positive_ms: u64, negative_ms: u64) -> Self {
+        LookupCache::new(
+            Duration::from_millis(positive_ms),
+            Duration::from_millis(negative_ms),
+            1 << 20,
+        )
+    }
+
     /// The remembered result, if still fresh.
     pub fn get(&self, id: &BlockId) -> Option<bool> {
         let map = self.map.lock();

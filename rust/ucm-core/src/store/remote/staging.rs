@@ -62,6 +62,35 @@ pub trait Uploader: RemoteBackend {
         block: BlockId,
         buf: Vec<u8>,
     ) -> impl Future<Output = Result<()>> + Send;
+
+    /// At close: lets the writes already started finish, bounded by the task
+    /// timeout (at least a second).
+    fn drain_uploads(&self) {
+        let grace = Duration::from_millis(self.core().timeout_ms.max(1000));
+        self.stager().drain(Self::NAME, grace);
+    }
+}
+
+/// Requests of a backend that reads and writes whole block objects, as its
+/// stats report them.
+#[derive(Default)]
+pub struct RequestCounters {
+    pub(crate) gets: AtomicU64,
+    pub(crate) puts: AtomicU64,
+    /// Failed requests (transport errors and the server's own).
+    pub(crate) request_errors: AtomicU64,
+}
+
+impl RequestCounters {
+    /// Adds the request figures to a store's stats.
+    pub fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {
+        put("get_requests", self.gets.load(Ordering::Relaxed));
+        put("put_requests", self.puts.load(Ordering::Relaxed));
+        put(
+            "request_errors",
+            self.request_errors.load(Ordering::Relaxed),
+        );
+    }
 }
 
 impl Stager {

@@ -62,7 +62,7 @@ pub mod maintain;
 pub use config::{S3Config, S3Location, KEYS};
 pub use maintain::S3Maintenance;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,21 +73,13 @@ use object_store::{
     BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
 };
 
-use super::remote::staging::{self, Stager, Uploader};
+use super::remote::staging::{self, RequestCounters, Stager, Uploader};
 use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::store::format::codec::is_layout_mismatch;
 use crate::store::format::layout::Layout;
 use crate::store::remote::{run_blocking, Breaker, LookupCache, Runtime};
-
-/// Counters of the S3 backend (the shell counts lookups and loads).
-#[derive(Default)]
-struct Counters {
-    gets: AtomicU64,
-    puts: AtomicU64,
-    request_errors: AtomicU64,
-}
 
 /// The S3 side of an [`S3Store`]: the bucket client, the staging of
 /// layer-wise dumps and the uploads in flight.
@@ -101,7 +93,8 @@ pub struct S3Backend {
     prefix: ObjPath,
     limiter: tokio::sync::Semaphore,
     stager: Stager,
-    counters: Counters,
+    /// Requests to the bucket (the shell counts lookups and loads).
+    counters: RequestCounters,
 }
 
 /// Blocks as objects in an S3-compatible bucket.
@@ -247,11 +240,7 @@ impl S3Backend {
         let core = RemoteCore::new(
             layout,
             handle,
-            LookupCache::new(
-                Duration::from_millis(cfg.lookup_cache_ttl_ms),
-                Duration::from_millis(cfg.negative_cache_ttl_ms),
-                1 << 20,
-            ),
+            LookupCache::from_ttl_ms(cfg.lookup_cache_ttl_ms, cfg.negative_cache_ttl_ms),
             Arc::new(Breaker::default()),
             cfg.timeout_ms,
             cfg.max_concurrency,
@@ -262,7 +251,7 @@ impl S3Backend {
             location: format!("s3://{}/{}", loc.bucket, loc.prefix),
             limiter: tokio::sync::Semaphore::new(cfg.max_concurrency),
             stager: Stager::new(cfg.staging_bytes),
-            counters: Counters::default(),
+            counters: RequestCounters::default(),
             client,
             prefix,
             loc,
@@ -433,18 +422,11 @@ impl RemoteBackend for S3Backend {
     }
 
     fn before_shutdown(self: &Arc<Self>) {
-        // Let writes already started finish (bounded by their timeouts).
-        self.stager.drain(
-            Self::NAME,
-            Duration::from_millis(self.cfg.timeout_ms.max(1000)),
-        );
+        self.drain_uploads();
     }
 
     fn add_stats(&self, put: &mut dyn FnMut(&str, u64)) {
-        let c = &self.counters;
-        put("get_requests", c.gets.load(Ordering::Relaxed));
-        put("put_requests", c.puts.load(Ordering::Relaxed));
-        put("request_errors", c.request_errors.load(Ordering::Relaxed));
+        self.counters.add_stats(put);
         self.stager.add_stats(put);
     }
 }
