@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.mooncake_server import HOST_ADDRS, MooncakeCluster
-from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.remote_helpers import SHARD, SHARDS, bid, block_data, dump, load, remote_config
 from support.remote_scenarios import ride_out_an_outage, round_trip
 
 from ucm.shared.config import ConfigError
@@ -46,19 +46,11 @@ BLOCK_LEN = SHARDS * (4096 + SHARD)  # a block object: a header and data per sha
 
 
 def mc_config(cluster: MooncakeCluster, **overrides: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "store_pipeline": "Mooncake",
+    location = {
         **cluster.store_keys(uuid.uuid4().hex[:12]),
-        "block_size": SHARD * SHARDS,
-        "shard_size": SHARD,
-        "tensor_size_list": [SHARD // 2, SHARD // 2],
-        "timeout_ms": 10000,
         "mooncake_negative_cache_ttl_ms": 0,
     }
-    if "Cache" in overrides.get("store_pipeline", ""):
-        cfg.update(CACHE_KEYS)
-    cfg.update(overrides)
-    return cfg
+    return remote_config("Mooncake", location, **overrides)
 
 
 def open_store(cluster: MooncakeCluster, cfg: dict[str, Any], host: int = 0) -> UcmKVStoreBase:

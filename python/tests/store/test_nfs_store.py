@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.remote_helpers import SHARD, SHARDS, bid, block_data, dump, load, remote_config
 from support.remote_scenarios import ride_out_an_outage, round_trip, wait_until_found
 from support.servers import NfsServer
 
@@ -39,18 +39,7 @@ from ucm.store import (
 
 
 def nfs_config(target: str, **overrides: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "store_pipeline": "NFS",
-        "storage_backends": target,
-        "block_size": SHARD * SHARDS,
-        "shard_size": SHARD,
-        "tensor_size_list": [SHARD // 2, SHARD // 2],
-        "timeout_ms": 10000,
-    }
-    if "Cache" in overrides.get("store_pipeline", ""):
-        cfg.update(CACHE_KEYS)
-    cfg.update(overrides)
-    return cfg
+    return remote_config("NFS", {"storage_backends": target}, **overrides)
 
 
 def open_store(server: NfsServer | None, cfg: dict[str, Any]) -> UcmKVStoreBase:

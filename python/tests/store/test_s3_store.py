@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.remote_helpers import CACHE_KEYS, SHARD, SHARDS, bid, block_data, dump, load
+from support.remote_helpers import SHARD, SHARDS, bid, block_data, dump, load, remote_config
 from support.remote_scenarios import ride_out_an_outage, round_trip, wait_until_found
 from support.servers import DelayProxy, MotoServer, free_port
 
@@ -39,19 +39,8 @@ from ucm.store import (
 
 
 def s3_config(server: MotoServer, bucket: str, **overrides: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "store_pipeline": "S3",
-        **server.store_keys(bucket, "kv"),
-        "block_size": SHARD * SHARDS,
-        "shard_size": SHARD,
-        "tensor_size_list": [SHARD // 2, SHARD // 2],
-        "timeout_ms": 10000,
-        "s3_negative_cache_ttl_ms": 0,
-    }
-    if "Cache" in overrides.get("store_pipeline", ""):
-        cfg.update(CACHE_KEYS)
-    cfg.update(overrides)
-    return cfg
+    location = {**server.store_keys(bucket, "kv"), "s3_negative_cache_ttl_ms": 0}
+    return remote_config("S3", location, **overrides)
 
 
 def open_store(cfg: dict[str, Any]) -> UcmKVStoreBase:

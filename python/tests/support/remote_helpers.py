@@ -3,6 +3,8 @@ tests (kept out of ``conftest.py`` so test modules import them by name)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ucm.store import UcmKVStoreBase
@@ -14,6 +16,25 @@ CACHE_KEYS = {
     "write_back_interval": 0.01,
     "write_back_max_backoff": 0.2,
 }
+
+
+def remote_config(pipeline: str, location: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """A config of the remote stage ``pipeline`` whose blocks are at
+    ``location`` (its stage's keys), in the tests' geometry; overrides win,
+    and a ``Cache|...`` pipeline among them gets the small cache of
+    :data:`CACHE_KEYS`."""
+    cfg: dict[str, Any] = {
+        "store_pipeline": pipeline,
+        **location,
+        "block_size": SHARD * SHARDS,
+        "shard_size": SHARD,
+        "tensor_size_list": [SHARD // 2, SHARD // 2],
+        "timeout_ms": 10000,
+    }
+    if "Cache" in overrides.get("store_pipeline", ""):
+        cfg.update(CACHE_KEYS)
+    cfg.update(overrides)
+    return cfg
 
 
 def bid(n: int) -> bytes:
