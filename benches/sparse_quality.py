@@ -129,8 +129,8 @@ def select_esa(case: SparseCase, ratio: float) -> list[int]:
     if plan is None:
         return list(range(n))
     kc, _, ids = case.paged()
-    reps = esa_representatives(kc, ids[plan.middle_start : plan.middle_end].long(), IMPL)
-    scores = esa_scores(case.queries[-1], reps, IMPL)
+    reps = esa_representatives(kc, ids[plan.middle_start : plan.middle_end].long(), 8, IMPL)
+    scores = esa_scores(case.queries[-1], reps)
     mid = [plan.middle_start + i for i in topk_sorted(scores, plan.num_selected)]
     return list(range(N_INIT)) + mid + list(range(plan.middle_end, n))
 

@@ -61,13 +61,36 @@ def test_topk_sorted_is_stable_and_ordered() -> None:
 def test_esa_scores_find_planted_blocks() -> None:
     c = planted_case(64 * B, B, H_KV, G, D, num_relevant=5, seed=3)
     kc, _, ids = c.paged()
-    reps = esa_representatives(kc, ids.long())
+    reps = esa_representatives(kc, ids.long(), 8)
+    assert reps.shape == (64, B // 8, H_KV, D)
     scores = esa_scores(c.queries[-1], reps)
     assert set(topk_sorted(scores, 5)) == set(c.relevant)
-    # the definition: flattened dot of the group-mean query with the mean key
-    qm = selection.group_mean_query(c.queries[-1], H_KV)
-    j = c.relevant[0]
-    assert_close(scores[j], (qm * kc[j].float().mean(0)).sum(), torch.float32)
+    # the definition: per query head, the best sub-block mean's scaled logit
+    # per block, a softmax over the blocks, summed over the heads
+    q = c.queries[-1].float()
+    want = torch.zeros(64)
+    for head in range(H_KV * G):
+        keys = kc[ids.long(), :, head // G].float().reshape(64, B // 8, 8, D).mean(dim=2)
+        logits = (keys @ q[head]).amax(dim=1) / D**0.5
+        want += torch.softmax(logits, dim=0)
+    assert_close(scores, want, torch.float32)
+
+
+def test_esa_sub_block_representatives_find_one_salient_key() -> None:
+    """One key that matches the query among others that don't: the block
+    mean dilutes it below a block of uniformly mild keys, a sub-block mean
+    keeps it."""
+    q = torch.zeros(H_KV * G, D)
+    q[:, 0] = 1.0
+    kc = torch.zeros(2, B, H_KV, D)
+    kc[0, :, :, 0] = 0.5  # block 0: every key mildly aligned
+    kc[1, :, :, 1] = 1.0  # block 1: unrelated keys ...
+    kc[1, 5, :, 0] = 6.0  # ... but one strongly aligned
+    ids = torch.tensor([0, 1])
+    whole = esa_scores(q, esa_representatives(kc, ids, None))
+    sub = esa_scores(q, esa_representatives(kc, ids, 4))
+    assert topk_sorted(whole, 1) == [0]
+    assert topk_sorted(sub, 1) == [1]
 
 
 def test_esa_scheduler_budget() -> None:

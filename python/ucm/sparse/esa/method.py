@@ -1,14 +1,25 @@
-"""ESA: mean-key block retrieval with offload of unselected blocks.
+"""ESA: block retrieval over sub-block mean keys, with offload of unselected blocks.
 
-At the end of prefill each middle block ``j`` of a layer gets one
-representative per kv head, the mean of its keys ``r_j`` (``[H_kv, D]``).
-A decode query is averaged over each GQA group to ``q_bar`` (``[H_kv, D]``)
-and block ``j`` scores ``<q_bar, r_j>`` (flattened dot product, no scaling).
-The device keeps the init window, the local window and the top
-``k = floor(R * sparse_ratio)`` middle blocks; the rest of the prompt KV lives
-in the UCM store. Selection is synchronous on the first decode step and then
-re-run every ``retrieval_stride`` steps asynchronously, loading only the
-blocks that changed (:class:`~ucm.sparse.offload.retrieval.RetrievalCadence.esa`).
+At the end of prefill each middle block ``j`` of a layer gets ``M = B / c``
+representatives per kv head, the means of its runs of
+``c = block_repre_tokens`` consecutive keys (``[M, H_kv, D]``). A decode
+query scores the blocks head by head: for query head ``H`` (kv head ``h``)
+block ``j``'s logit is its best representative's ``<q_H, r_jm> / sqrt(D)``,
+a softmax over the blocks turns the logits into shares, and the block's
+score is its share summed over the query heads. The device keeps the init
+window, the local window and the top ``k = floor(R * sparse_ratio)`` middle
+blocks; the rest of the prompt KV lives in the UCM store. Selection is
+synchronous on the first decode step and then re-run every
+``retrieval_stride`` steps asynchronously, loading only the blocks that
+changed (:class:`~ucm.sparse.offload.retrieval.RetrievalCadence.esa`).
+
+Why not the original ESA's one mean key per block scored by a flattened dot
+product with the group-mean query (``block_repre_tokens`` = block size comes
+close to it): a salient key, such as the few tokens of a fact the answer
+copies, is averaged away among the block's other keys, and the few heads
+with large logits outvote the rest. On needle retrieval with a real model
+(``benches/quality.py``) sub-block maxima with one vote per head keep the
+needle blocks that the block mean loses.
 
 There is no paper; the design is Quest/InfLLM-style (see
 ``shared/reference/ucm-original-connector-and-sparse.md`` section 3.1).
@@ -17,6 +28,7 @@ There is no paper; the design is Quest/InfLLM-style (see
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -33,19 +45,27 @@ from ucm.sparse.offload import (
 
 
 def esa_representatives(
-    k_cache: torch.Tensor, block_ids: torch.Tensor, impl: Impl = "auto"
+    k_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    tokens_per_rep: int | None = None,
+    impl: Impl = "auto",
 ) -> torch.Tensor:
-    """``[n, H_kv, D]`` fp32 mean keys of full blocks ``block_ids`` of ``k_cache``."""
+    """``[n, M, H_kv, D]`` mean keys of the ``tokens_per_rep``-token runs of
+    full blocks ``block_ids`` (``None``: one per block), in the cache's dtype:
+    they stay on the device for the request's whole decode."""
     full = torch.full((block_ids.numel(),), k_cache.shape[1], dtype=torch.int32)
-    return selection.block_representatives(k_cache, block_ids, full, impl=impl)[:, 0]
+    reps = selection.block_representatives(k_cache, block_ids, full, tokens_per_rep, impl=impl)
+    return reps.to(k_cache.dtype)
 
 
-def esa_scores(q: torch.Tensor, reps: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
-    """``[n]`` ESA scores of one query ``[H_q, D]`` against ``reps`` ``[n, H_kv, D]``."""
-    n = reps.shape[0]
-    table = torch.arange(n, dtype=torch.int32, device=reps.device).unsqueeze(0)
-    num = torch.tensor([n], dtype=torch.int32, device=reps.device)
-    return selection.block_scores_dot(q.unsqueeze(0), reps, table, num, impl=impl)[0]
+def esa_scores(q: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
+    """``[n]`` ESA scores of one query ``[H_q, D]`` against ``reps`` ``[n, M, H_kv, D]``
+    (see the module doc); fp32, summing to the number of query heads."""
+    h_kv, d = reps.shape[2], reps.shape[3]
+    g = q.shape[0] // h_kv
+    qh = q.float().reshape(h_kv, g, d)
+    logits = torch.einsum("hgd,nmhd->hgnm", qh, reps.float()) / math.sqrt(d)
+    return logits.amax(dim=-1).softmax(dim=-1).sum(dim=(0, 1))
 
 
 class ESASelector(OffloadSelectorBase):
@@ -62,7 +82,8 @@ class ESASelector(OffloadSelectorBase):
         selection uses the first decode query, not ``prefill_queries``."""
         p = self.plan
         ids = prompt_block_ids[p.middle_start : p.middle_end]
-        self.reps[layer] = esa_representatives(k_cache, ids, self.impl)
+        tokens = min(self.config.block_repre_tokens, k_cache.shape[1])
+        self.reps[layer] = esa_representatives(k_cache, ids, tokens, self.impl)
         self.layers[layer] = OffloadRetrieval(
             p.num_selected,
             RetrievalCadence.esa(self.config.retrieval_stride),
@@ -72,7 +93,7 @@ class ESASelector(OffloadSelectorBase):
 
     def select(self, layer: int, query: torch.Tensor) -> list[int]:
         """Logical indices of the ``k`` best middle blocks for ``query`` ``[H_q, D]``."""
-        scores = esa_scores(query, self.reps[layer], self.impl)
+        scores = esa_scores(query, self.reps[layer])
         return [self.plan.middle_start + i for i in topk_sorted(scores, self.plan.num_selected)]
 
 
