@@ -184,14 +184,14 @@ def _chunk_attention(
     qpos = pos.repeat(g)[:, None]  # row r of a head is query r % t
     j = torch.arange(lo, hi, device=qc.device)[None, :]
     band = torch.bmm(qc * scale, kf[lo:hi].permute(1, 2, 0))  # S1
+    far_fused = window is not None and lo > 0 and _fused_cpu_attention_available(qc)
     far = None
     if window is not None:
         assert qw is not None and k2f is not None
-        qw = qw * scale
-        s2 = torch.bmm(qw, k2f[lo:hi].permute(1, 2, 0))
+        s2 = torch.bmm(qw * scale, k2f[lo:hi].permute(1, 2, 0))
         band = torch.where(qpos - j < window, band, s2)
-        if lo:
-            far = torch.bmm(qw, k2f[:lo].permute(1, 2, 0))
+        if lo and not far_fused:
+            far = torch.bmm(qw * scale, k2f[:lo].permute(1, 2, 0))
     band.masked_fill_(j > qpos, float("-inf"))
     mx = band.amax(dim=-1, keepdim=True)
     if far is not None:
@@ -204,7 +204,43 @@ def _chunk_attention(
         far.sub_(mx).exp_()
         denom += far.sum(dim=-1, keepdim=True)
         out.baddbmm_(far, vf[:lo].permute(1, 0, 2))
-    return out / torch.where(denom > 0, denom, 1.0)
+    out = out / torch.where(denom > 0, denom, 1.0)
+    if not far_fused:
+        return out
+    # The far keys take S2 alone and need no mask: one fused attention (no
+    # score matrix in memory, which is what bounds this path on a CPU), its
+    # log-sum-exp merged with the band's.
+    assert qw is not None and k2f is not None
+    far_out, far_lse = _fused_cpu_attention(qw, k2f[:lo], vf[:lo], scale)
+    band_lse = mx + torch.log(denom)
+    top = torch.maximum(band_lse, far_lse)
+    w_band, w_far = torch.exp(band_lse - top), torch.exp(far_lse - top)
+    return (out * w_band + far_out * w_far) / (w_band + w_far)
+
+
+def _fused_cpu_attention_available(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"
+    )
+
+
+def _fused_cpu_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of ``q`` ``[H_kv, R, D]`` (a group's rows stacked)
+    over ``k``, ``v`` ``[L, H_kv, D]``: ``([H_kv, R, D], log-sum-exp [H_kv, R, 1])``.
+    It is torch's CPU flash kernel, called by its aten name because it
+    returns the log-sum-exp a merge needs (``scaled_dot_product_attention``
+    does not); where torch lacks it, the far keys are scored like the band."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.unsqueeze(0).contiguous(),
+        k.permute(1, 0, 2).unsqueeze(0).contiguous(),
+        v.permute(1, 0, 2).unsqueeze(0).contiguous(),
+        0.0,
+        False,
+        scale=scale,
+    )
+    return out[0], lse[0].unsqueeze(-1)
 
 
 def write_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
