@@ -14,7 +14,7 @@ from ucm.sparse import INVALID_SLOT, ESAConfig, GSAConfig, KVStarConfig, SparseM
 from ucm.sparse import UcmSparseRole as Role
 from ucm.sparse.esa import ESA, esa_representatives, esa_scores
 from ucm.sparse.gsa import GSA, SRPHashEncoder, gsa_select
-from ucm.sparse.kernels import attention, selection
+from ucm.sparse.kernels import attention
 from ucm.sparse.kvstar import KVStar, kvstar_channels
 from ucm.sparse.offload import OffloadPlan, topk_sorted
 from ucm.testing.synthetic import planted_case, random_llama_case
