@@ -1,4 +1,4 @@
-"""ESA: mean-key block retrieval with offload of unselected blocks (:mod:`.method`)."""
+"""ESA: block retrieval over sub-block mean keys, with offload (:mod:`.method`)."""
 
 from ucm.sparse.esa.config import ESAConfig
 from ucm.sparse.esa.method import ESA, ESASelector, esa_representatives, esa_scores
