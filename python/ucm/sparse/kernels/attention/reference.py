@@ -188,10 +188,11 @@ def _chunk_attention(
     far = None
     if window is not None:
         assert qw is not None and k2f is not None
-        s2 = torch.bmm(qw * scale, k2f[lo:hi].permute(1, 2, 0))
+        qw = qw * scale
+        s2 = torch.bmm(qw, k2f[lo:hi].permute(1, 2, 0))
         band = torch.where(qpos - j < window, band, s2)
         if lo and not far_fused:
-            far = torch.bmm(qw * scale, k2f[:lo].permute(1, 2, 0))
+            far = torch.bmm(qw, k2f[:lo].permute(1, 2, 0))
     band.masked_fill_(j > qpos, float("-inf"))
     mx = band.amax(dim=-1, keepdim=True)
     if far is not None:
@@ -211,7 +212,7 @@ def _chunk_attention(
     # score matrix in memory, which is what bounds this path on a CPU), its
     # log-sum-exp merged with the band's.
     assert qw is not None and k2f is not None
-    far_out, far_lse = _fused_cpu_attention(qw, k2f[:lo], vf[:lo], scale)
+    far_out, far_lse = _fused_cpu_attention(qw, k2f[:lo], vf[:lo], 1.0)  # qw is scaled
     band_lse = mx + torch.log(denom)
     top = torch.maximum(band_lse, far_lse)
     w_band, w_far = torch.exp(band_lse - top), torch.exp(far_lse - top)
