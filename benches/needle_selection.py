@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import needle_set
 from ucm.models import ModelUnavailable, ensure, load_tokenizer
 from ucm.sparse.esa import esa_scores
+from ucm.sparse.kernels import selection
 from ucm.testing.corpus import answer_digits
 
 B, N_INIT, N_LOCAL, DECODE = 32, 1, 2, 10
@@ -70,14 +71,13 @@ class Rule:
         qh = q.reshape(q.shape[0], h_kv, g, d)
         scale = 1 / math.sqrt(d)
         if self.name == "esa-mean":
-            return torch.einsum("hd,hrd->r", qh[-1].mean(1), blocks.mean(2))
-        if self.name == "esa":
-            c = int(self.args[0]) if self.args else 4
+            table = torch.arange(r, dtype=torch.int32).unsqueeze(0)
+            pool = blocks.mean(2).permute(1, 0, 2)
+            return selection.block_scores_dot(q[-1:], pool, table, torch.tensor([r]))[0]
+        if self.name in ("esa", "tokmax"):
+            c = 1 if self.name == "tokmax" else int(self.args[0]) if self.args else 4
             reps = blocks.reshape(h_kv, r, B // c, c, d).mean(3).permute(1, 2, 0, 3)
             return esa_scores(q[-1], reps)
-        if self.name == "tokmax":
-            logits = torch.einsum("hgd,hrbd->hgrb", qh[-1], blocks) * scale
-            return logits.amax(-1).softmax(-1).sum((0, 1))
         if self.name == "oracle":
             p = (torch.einsum("hgd,htd->hgt", qh[-1], keys[:, :prompt]) * scale).softmax(-1)
             return p[:, :, N_INIT * B : N_INIT * B + r * B].reshape(h_kv, g, r, B).sum((0, 1, 3))

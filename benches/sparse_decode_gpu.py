@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from ucm.sparse.esa import ESAConfig, esa_scores
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
 from ucm.sparse.kernels import attention, selection
 from ucm.sparse.offload import make_offload_plan
@@ -123,10 +124,11 @@ def run_case(tokens: int, batch: int, shape: Shape, ratios: list[float], device:
             num_r = torch.full((s,), r, dtype=torch.int32, device=device)
             k_sel = max(1, kept - 3)
             if name == "ESA":
-                reps_pool = torch.randn(s * r, shape.kv_heads, shape.head_dim, device=device)
+                per_block = b // ESAConfig().block_repre_tokens
+                reps = torch.randn(s, r, per_block, shape.kv_heads, shape.head_dim, device=device)
 
-                def score(reps_pool=reps_pool, table_r=table_r, num_r=num_r, k_sel=k_sel):
-                    sc = selection.block_scores_dot(q, reps_pool, table_r, num_r, impl="triton")
+                def score(reps=reps, k_sel=k_sel):
+                    sc = torch.stack([esa_scores(q[i], reps[i]) for i in range(s)])
                     return torch.topk(sc, k_sel, dim=1).indices
             else:
                 dp, m = shape.head_dim // 4, 8
