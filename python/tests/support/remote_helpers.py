@@ -31,7 +31,7 @@ def remote_config(pipeline: str, location: dict[str, Any], **overrides: Any) -> 
         "tensor_size_list": [SHARD // 2, SHARD // 2],
         "timeout_ms": 10000,
     }
-    if "Cache" in overrides.get("store_pipeline", ""):
+    if "Cache" in overrides.get("store_pipeline", pipeline):
         cfg.update(CACHE_KEYS)
     cfg.update(overrides)
     return cfg
