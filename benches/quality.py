@@ -26,9 +26,13 @@ The texts are made from a seed (``ucm.testing.corpus``): no data set.
   tokens; a token missing from the other run's top 20 gets its 20th log
   probability), median TTFT (one request at a time).
 * **ReRoPE**: the model's ``max_position_embeddings`` lowered to 2048, then
-  needles at 4k and 8k tokens served past it, without and with ReRoPE
-  (``rerope_window`` 512, ``training_length`` 2048). SmolLM2 was trained to
-  8,192 positions, so "without" is plain RoPE inside its real range.
+  needles at 4k and 7.5k tokens served past it (``--rerope-needles`` of the
+  needle part's prompts at those lengths, depths spread), without and with
+  ReRoPE (``rerope_window`` 512, ``training_length`` 2048). SmolLM2 was
+  trained to 8,192 positions, so "without" is plain RoPE inside its real
+  range: the dense model of the needle part. When that part ran in the same
+  invocation, its dense answers to the same prompts are the "without" row;
+  otherwise an engine of its own computes them.
 
 Every table repeats its baseline from the same run and gives its sample
 counts. Usage::
@@ -63,6 +67,7 @@ from ucm.testing.corpus import (
     rag_prompt,
     record_facts,
 )
+from ucm.testing.forker import EngineForker
 from ucm.testing.harness import EngineProcess, engine_env
 
 BLOCK = 32
@@ -71,13 +76,20 @@ LOGPROBS = 20
 
 
 class Bench:
+    """The run's model and work directory; engines forked from one process
+    that imported vLLM once (16 engines would spend minutes importing it)."""
+
     def __init__(self, model: Path, work: Path, verbose: bool) -> None:
         self.model, self.work, self.verbose = model, work, verbose
+        self.forker = EngineForker(engine_env(), work / "forker.log")
+
+    def close(self) -> None:
+        self.forker.close()
 
     def engine(self, name: str, ucm: dict[str, Any] | None, **llm: Any) -> EngineProcess:
         t = time.time()
         cfg: dict[str, Any] = {"model": str(llm.pop("model", self.model)), "ucm": ucm, "llm": llm}
-        e = EngineProcess(cfg, self.work / f"{name}.log", env=engine_env(), cwd=self.work)
+        e = EngineProcess(cfg, self.work / f"{name}.log", cwd=self.work, forker=self.forker)
         self.log(f"{name}: up in {time.time() - t:.0f}s")
         return e
 
@@ -111,6 +123,9 @@ def _blocks(tokens: int) -> int:
 
 
 SPARSE_METHODS = ("ESA", "KVStar", "GSA")
+# A needle's answer is a space and five digits (one token each); the two
+# tokens after them show whether the number goes on (then it is wrong).
+NEEDLE_DECODE = 8
 
 
 def run_needles(
@@ -153,8 +168,10 @@ def run_needles(
                 t = time.time()
                 out = e.call(op="generate", prompts=prompts, max_tokens=decode)
                 fps = e.call(op="sparse")["footprints"]
-                answers = [answer_digits(x) for x in out["text"]]
-                correct = sum(a == k for a, (_, k) in zip(answers, items, strict=True))
+                right = [
+                    answer_digits(x) == k for x, (_, k) in zip(out["text"], items, strict=True)
+                ]
+                correct = sum(right)
                 tps = [x for x in out["decode_tps"] if x]
                 held = (
                     statistics.mean(f["max_decode_held"] for f in fps)
@@ -173,6 +190,7 @@ def run_needles(
                         "dense_blocks": statistics.mean(_blocks(len(p) + decode) for p in prompts),
                         "offloaded": bool(fps),
                         "loaded_tokens": sum(out["cached"]),
+                        "right": right,
                     }
                 )
                 b.log(
@@ -313,9 +331,32 @@ def short_context_model(b: Bench) -> Path:
     return out
 
 
+def rerope_subset(n_of: int, n: int) -> list[int]:
+    """``n`` indices spread evenly over a needle set of ``n_of`` (depths 5 % to 95 %)."""
+    if n >= n_of:
+        return list(range(n_of))
+    return [round(i * (n_of - 1) / max(1, n - 1)) for i in range(n)]
+
+
+def dense_rights(
+    needle_rows: list[dict[str, Any]], length: int, idx: list[int]
+) -> list[bool] | None:
+    """The needle table's dense answers (right or not) for prompts ``idx`` of ``length``."""
+    for r in needle_rows:
+        if r["method"] == "dense" and r["length"] == length:
+            return [r["right"][i] for i in idx]
+    return None
+
+
 def run_rerope(
-    b: Bench, sets: dict[int, list[tuple[list[int], str]]], decode: int
+    b: Bench,
+    sets: dict[int, list[tuple[list[int], str]]],
+    decode: int,
+    without: dict[int, list[bool]],
 ) -> list[dict[str, Any]]:
+    """``without``: per length, the plain model's answers already measured on
+    the same prompts (the needle table's dense run); other lengths get their
+    own engine."""
     model = short_context_model(b)
     max_len = max(len(p) for items in sets.values() for p, _ in items) + decode + BLOCK
     llm = {
@@ -332,12 +373,27 @@ def run_rerope(
         ("without", None),
         ("ReRoPE", {"ReRoPE": {"rerope_window": WINDOW, "training_length": TRAINING}}),
     ):
+        if sparse is None:
+            for length, right in without.items():
+                rows.append(
+                    {
+                        "variant": name,
+                        "length": length,
+                        "n": len(right),
+                        "correct": sum(right),
+                        "from": "dense needles",
+                    }
+                )
+                b.log(f"rerope {name} {length}: {sum(right)}/{len(right)} (the dense needle run)")
+        todo = {n: items for n, items in sets.items() if sparse or n not in without}
+        if not todo:
+            continue
         ucm: dict[str, Any] = {"storage_backends": str(b.work / f"store-rerope-{name}")}
         if sparse:
             ucm["ucm_sparse_config"] = sparse
         e = b.engine(f"rerope-{name}", ucm, **dict(llm))
         try:
-            for length, items in sets.items():
+            for length, items in todo.items():
                 out = e.call(op="generate", prompts=[p for p, _ in items], max_tokens=decode)
                 correct = sum(
                     answer_digits(x) == k for x, (_, k) in zip(out["text"], items, strict=True)
@@ -348,6 +404,7 @@ def run_rerope(
                 b.log(f"rerope {name} {length}: {correct}/{len(items)} e.g. {out['text'][0]!r}")
         finally:
             e.close()
+    rows.sort(key=lambda r: (r["variant"] != "without", r["length"]))
     return rows
 
 
@@ -397,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", choices=SPARSE_METHODS, default=list(SPARSE_METHODS))
     ap.add_argument("--rag", type=int, help="RAG questions (24; --quick: 10)")
     ap.add_argument("--blend-ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3])
-    ap.add_argument("--rerope-lengths", type=int, nargs="+", default=[4096, 8000])
+    ap.add_argument("--rerope-lengths", type=int, nargs="+", default=[4096, 7680])
     ap.add_argument("--rerope-needles", type=int, help="needles per ReRoPE length (8; --quick: 3)")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
@@ -433,18 +490,34 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 args.json.write_text(json.dumps(res, indent=2))
 
-        if "needles" in parts:
-            t = time.time()
-            sets = needle_set(tok, args.lengths, args.needles, args.seed)
-            done("needles", run_needles(b, sets, args.ratios, 10, tuple(args.methods)), t)
-        if "rag" in parts:
-            t = time.time()
-            rag = rag_set(tok, args.rag, args.seed)
-            done("rag", run_rag(b, rag, args.blend_ratios, 12), t)
-        if "rerope" in parts:
-            t = time.time()
-            sets = needle_set(tok, args.rerope_lengths, args.rerope_needles, args.seed + 1)
-            done("rerope", run_rerope(b, sets, decode=10), t)
+        try:
+            if "needles" in parts:
+                t = time.time()
+                sets = needle_set(tok, args.lengths, args.needles, args.seed)
+                done(
+                    "needles",
+                    run_needles(b, sets, args.ratios, NEEDLE_DECODE, tuple(args.methods)),
+                    t,
+                )
+            if "rag" in parts:
+                t = time.time()
+                rag = rag_set(tok, args.rag, args.seed)
+                done("rag", run_rag(b, rag, args.blend_ratios, 12), t)
+            if "rerope" in parts:
+                t = time.time()
+                # The needle table's prompts (a subset): where that table was
+                # measured, its dense run is the "without" row.
+                full = needle_set(tok, args.rerope_lengths, args.needles, args.seed)
+                idx = rerope_subset(args.needles, args.rerope_needles)
+                sets = {n: [items[i] for i in idx] for n, items in full.items()}
+                without = {}
+                for n in sets:
+                    right = dense_rights(res.get("needles", []), n, idx)
+                    if right is not None:
+                        without[n] = right
+                done("rerope", run_rerope(b, sets, NEEDLE_DECODE, without), t)
+        finally:
+            b.close()
     print(f"\ntotal: {(time.time() - t0) / 60:.1f} min")
     return 0
 

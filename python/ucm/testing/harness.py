@@ -3,7 +3,8 @@
 Used by the README's main job (:mod:`.vllm_demo`), ``benches/ttft.py`` and the
 end-to-end tests: each engine is a fresh process (as after a restart), with
 vLLM's engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
-it starts in seconds.
+it starts in seconds. A bench that starts many engines can fork them from
+one process that imported vLLM once (:mod:`.forker`).
 
 Child side: ``python -m ucm.testing.harness '<json config>'`` with
 ``model``, optional ``ucm`` (the connector's ``kv_connector_extra_config``;
@@ -40,7 +41,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ucm.testing.forker import EngineForker
 
 MARK = "@@UCM@@ "
 CONNECTOR = {
@@ -91,27 +95,37 @@ class EngineProcess:
         log: str | Path,
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
+        forker: EngineForker | None = None,
     ) -> None:
+        """``forker``: fork the engine from there (its environment, not
+        ``env``) instead of starting a new interpreter."""
         self.log_path = Path(log)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ucm.testing.harness", json.dumps(config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env or engine_env(),
-            cwd=str(cwd or self.log_path.parent),
-        )
+        workdir = Path(cwd or self.log_path.parent)
+        self.proc: Any
+        if forker is not None:
+            self._log.flush()
+            self.proc, self._out, self._in = forker.spawn(config, self.log_path, workdir)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ucm.testing.harness", json.dumps(config)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+                env=env or engine_env(),
+                cwd=str(workdir),
+            )
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self._out, self._in = self.proc.stdout, self.proc.stdin
         self._lock = threading.Lock()
         first = self._read()
         if not first.get("ready"):
             raise RuntimeError(f"engine did not start: {first}")
 
     def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
         while True:
-            line = self.proc.stdout.readline()
+            line = self._out.readline()
             if not line:
                 self.proc.wait(timeout=60)
                 raise RuntimeError(
@@ -123,9 +137,8 @@ class EngineProcess:
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         with self._lock:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
+            self._in.write(json.dumps(cmd) + "\n")
+            self._in.flush()
             return self._read()
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> dict[str, Any]:
@@ -162,13 +175,18 @@ class EngineProcess:
             except Exception:
                 self.proc.kill()
                 self.proc.wait()
+        for f in (self._in, self._out):
+            try:
+                f.close()
+            except OSError:
+                pass  # the child is gone: nothing left to flush to it
         if not self._log.closed:
             self._log.close()
 
 
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+def _reply(out: IO[str], obj: dict[str, Any]) -> None:
+    out.write(MARK + json.dumps(obj) + "\n")
+    out.flush()
 
 
 def _ttft(out: Any) -> float | None:
@@ -219,7 +237,21 @@ def _sparse_counters() -> dict[str, Any]:
     return out
 
 
-def _child(cfg: dict[str, Any]) -> None:
+def import_engine_modules() -> None:
+    """Imports what :func:`run_engine` and the engine it starts need (for
+    :mod:`ucm.testing.forker`, which forks engines after importing them once)."""
+    import vllm.model_executor.models.llama
+    import vllm.v1.engine.core
+    import vllm.v1.worker.cpu_model_runner
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+    from vllm import LLM  # noqa: F401
+
+    import ucm.integration.vllm.ucm_connector  # noqa: F401
+
+
+def run_engine(cfg: dict[str, Any], inp: IO[str], out: IO[str]) -> None:
+    """Child side: starts the engine for ``cfg`` and answers commands from
+    ``inp`` on ``out`` until ``exit`` or the end of ``inp``."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -241,8 +273,8 @@ def _child(cfg: dict[str, Any]) -> None:
             **CONNECTOR, kv_connector_extra_config=cfg["ucm"]
         )
     llm = LLM(**kwargs)
-    _reply({"ready": True})
-    for line in sys.stdin:
+    _reply(out, {"ready": True})
+    for line in inp:
         cmd = json.loads(line)
         op = cmd.get("op")
         if op == "generate":
@@ -274,22 +306,22 @@ def _child(cfg: dict[str, Any]) -> None:
                 reply["first_logprobs"] = [
                     {str(k): v.logprob for k, v in o.outputs[0].logprobs[0].items()} for o in outs
                 ]
-            _reply(reply)
+            _reply(out, reply)
         elif op == "sparse":
-            _reply(_sparse_counters())
+            _reply(out, _sparse_counters())
         elif op == "metrics":
             from prometheus_client import REGISTRY, generate_latest
 
             text = generate_latest(REGISTRY).decode()
-            _reply({"text": "\n".join(x for x in text.splitlines() if "ucm_" in x)})
+            _reply(out, {"text": "\n".join(x for x in text.splitlines() if "ucm_" in x)})
         elif op == "exit":
             del llm
             gc.collect()
-            _reply({"bye": True})
+            _reply(out, {"bye": True})
             return
         else:
-            _reply({"error": f"unknown op {op!r}"})
+            _reply(out, {"error": f"unknown op {op!r}"})
 
 
 if __name__ == "__main__":
-    _child(json.loads(sys.argv[1]))
+    run_engine(json.loads(sys.argv[1]), sys.stdin, sys.stdout)
