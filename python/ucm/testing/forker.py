@@ -47,7 +47,10 @@ CONNECT_TIMEOUT_S = 120.0
 class ForkedEngine:
     """The parent's handle on a forked engine: ``poll``, ``wait`` and ``kill``
     like :class:`subprocess.Popen`'s. The forker reaps its children, so the
-    exit status is not known here: ``returncode`` is 0 once the process is gone."""
+    exit status is not known here: ``returncode`` is 0 once the process is
+    gone, and errors quote :attr:`status_text` instead."""
+
+    status_text = "forked, exit status not known: see the log"
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

@@ -41,10 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ucm.testing.forker import EngineForker
+from typing import IO, Any, Protocol
 
 MARK = "@@UCM@@ "
 CONNECTOR = {
@@ -86,6 +83,16 @@ def engine_env(**extra: str) -> dict[str, str]:
     return env
 
 
+class EngineSpawner(Protocol):
+    """Starts an engine some other way than a new interpreter
+    (:class:`ucm.testing.forker.EngineForker`): its process handle (``poll``,
+    ``wait``, ``kill``) and the files to read answers from and write commands to."""
+
+    def spawn(
+        self, config: dict[str, Any], log: Path, cwd: Path
+    ) -> tuple[Any, IO[str], IO[str]]: ...
+
+
 class EngineProcess:
     """Parent side: starts the child and talks to it."""
 
@@ -95,7 +102,7 @@ class EngineProcess:
         log: str | Path,
         env: dict[str, str] | None = None,
         cwd: str | Path | None = None,
-        forker: EngineForker | None = None,
+        forker: EngineSpawner | None = None,
     ) -> None:
         """``forker``: fork the engine from there (its environment, not
         ``env``) instead of starting a new interpreter."""
@@ -128,9 +135,8 @@ class EngineProcess:
             line = self._out.readline()
             if not line:
                 self.proc.wait(timeout=60)
-                raise RuntimeError(
-                    f"engine exited ({self.proc.returncode}); log tail:\n{self.log_tail()}"
-                )
+                status = getattr(self.proc, "status_text", self.proc.returncode)
+                raise RuntimeError(f"engine exited ({status}); log tail:\n{self.log_tail()}")
             if line.startswith(MARK):
                 return json.loads(line[len(MARK) :])
             self._log.write(line)
