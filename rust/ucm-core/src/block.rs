@@ -69,14 +69,19 @@ impl fmt::Display for BlockId {
     }
 }
 
-/// Block ids are already uniform hashes: use their first 8 bytes as the
-/// hash instead of running SipHash over them again.
+/// Block ids are usually uniform hashes already, so SipHash over them again
+/// would be wasted: the two 8-byte halves are XORed and mixed by one
+/// folded 128-bit multiply. The mix matters because the API accepts any 16
+/// bytes: ids that differ only in low bits (a counter, as benches and some
+/// callers use) would otherwise share the hash's top 7 bits, which the
+/// table uses as its per-slot tag, and every probe would compare whole keys.
 #[derive(Default)]
 pub struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
-        self.0
+        let m = u128::from(self.0).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+        (m as u64) ^ ((m >> 64) as u64)
     }
     fn write(&mut self, bytes: &[u8]) {
         // `[u8; 16]` hashes as its length (usize) followed by the bytes.
@@ -136,5 +141,23 @@ mod tests {
         assert_eq!(BlockId::from_hex(&id.hex()), Some(id));
         assert_eq!(BlockId::from_hex("zz"), None);
         assert!(BlockId::from_slice(&[0u8; 15]).is_err());
+    }
+
+    #[test]
+    fn counter_ids_spread_over_the_hash_tag_bits() {
+        use std::hash::Hash;
+        // The table tags each slot with the hash's top 7 bits: ids that
+        // differ only in their low bytes must still spread over those.
+        let tags: std::collections::HashSet<u64> = (0u64..1000)
+            .map(|i| {
+                let mut raw = [0u8; 16];
+                raw[..8].copy_from_slice(&99u64.to_le_bytes());
+                raw[8..].copy_from_slice(&i.to_le_bytes());
+                let mut h = IdHasher::default();
+                BlockId(raw).hash(&mut h);
+                h.finish() >> 57
+            })
+            .collect();
+        assert!(tags.len() > 100, "only {} of 128 tags used", tags.len());
     }
 }

@@ -73,6 +73,22 @@ impl Index {
         }
     }
 
+    /// [`Index::touch`] of the longest present prefix of `blocks`, under one
+    /// lock and one recency stamp: its length.
+    pub fn touch_prefix(&self, blocks: &[BlockId]) -> usize {
+        let stamp = self.tick();
+        let map = self.map.read();
+        let mut n = 0;
+        for block in blocks {
+            match map.get(block) {
+                Some(e) => e.last_use.store(stamp, Ordering::Relaxed),
+                None => break,
+            }
+            n += 1;
+        }
+        n
+    }
+
     /// True if present, without touching recency.
     pub fn contains(&self, block: &BlockId) -> bool {
         self.map.read().contains_key(block)
@@ -202,6 +218,19 @@ mod tests {
         let mut found = [false; 3];
         idx.touch_all(&[id(0), id(9), id(1)], &mut found);
         assert_eq!(found, [true, false, true]);
+        assert_eq!(idx.coldest(15), vec![id(2), id(3)]);
+    }
+
+    #[test]
+    fn touch_prefix_stops_at_the_first_absent_block() {
+        let idx = Index::default();
+        for n in 0..4 {
+            idx.insert(id(n), 10, None, 0);
+        }
+        assert_eq!(idx.touch_prefix(&[id(0), id(1), id(9), id(2)]), 2);
+        assert_eq!(idx.touch_prefix(&[]), 0);
+        assert_eq!(idx.touch_prefix(&[id(9)]), 0);
+        // The prefix became the most recent; the rest stays cold.
         assert_eq!(idx.coldest(15), vec![id(2), id(3)]);
     }
 

@@ -375,12 +375,16 @@ impl Store for PosixStore {
         if self.closed.load(Ordering::Acquire) {
             return Err(UcmError::Closed);
         }
-        for (i, id) in ids.iter().enumerate() {
-            if !self.present(id) {
+        // The index answers runs of present blocks under one lock; a block it
+        // lacks is probed on disk (another process may have written it).
+        let mut i = 0;
+        loop {
+            i += self.shared.index.touch_prefix(&ids[i..]);
+            if i == ids.len() || !self.present(&ids[i]) {
                 return Ok(i as isize - 1);
             }
+            i += 1;
         }
-        Ok(ids.len() as isize - 1)
     }
 
     fn prefetch(&self, ids: &[BlockId]) -> Result<()> {
