@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from ucm.sparse.esa import esa_representatives, esa_scores
+from ucm.sparse.esa import ESAConfig, esa_representatives, esa_scores
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
 from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kernels.dispatch import Impl, triton_usable
@@ -129,7 +129,8 @@ def select_esa(case: SparseCase, ratio: float) -> list[int]:
     if plan is None:
         return list(range(n))
     kc, _, ids = case.paged()
-    reps = esa_representatives(kc, ids[plan.middle_start : plan.middle_end].long(), 8, IMPL)
+    tokens = min(ESAConfig().block_repre_tokens, case.block_size)
+    reps = esa_representatives(kc, ids[plan.middle_start : plan.middle_end].long(), tokens, IMPL)
     scores = esa_scores(case.queries[-1], reps)
     mid = [plan.middle_start + i for i in topk_sorted(scores, plan.num_selected)]
     return list(range(N_INIT)) + mid + list(range(plan.middle_end, n))

@@ -34,6 +34,7 @@ starting with ``@@UCM@@``:
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import subprocess
@@ -111,7 +112,6 @@ class EngineProcess:
         workdir = Path(cwd or self.log_path.parent)
         self.proc: Any
         if forker is not None:
-            self._log.flush()
             self.proc, self._out, self._in = forker.spawn(config, self.log_path, workdir)
         else:
             self.proc = subprocess.Popen(
@@ -243,16 +243,23 @@ def _sparse_counters() -> dict[str, Any]:
     return out
 
 
-def import_engine_modules() -> None:
-    """Imports what :func:`run_engine` and the engine it starts need (for
-    :mod:`ucm.testing.forker`, which forks engines after importing them once)."""
-    import vllm.model_executor.models.llama
-    import vllm.v1.engine.core
-    import vllm.v1.worker.cpu_model_runner
-    import vllm.v1.worker.cpu_worker  # noqa: F401
-    from vllm import LLM  # noqa: F401
+# What run_engine and the engine it starts import (the first is what most
+# of an engine's start-up goes to).
+ENGINE_MODULES = (
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.models.llama",
+    "ucm.integration.vllm.ucm_connector",
+)
 
-    import ucm.integration.vllm.ucm_connector  # noqa: F401
+
+def import_engine_modules() -> None:
+    """Imports :data:`ENGINE_MODULES` (for :mod:`ucm.testing.forker`, which
+    forks engines after importing them once)."""
+    for name in ENGINE_MODULES:
+        importlib.import_module(name)
 
 
 def run_engine(cfg: dict[str, Any], inp: IO[str], out: IO[str]) -> None:
