@@ -147,10 +147,12 @@ impl Inner {
         for job in self.copy_jobs(stage) {
             let (me, ctx2) = (self.clone(), ctx.clone());
             let units = job.len();
+            let fg = self.wb.foreground();
             // A failed spawn is unreachable in practice (the pool lives until
             // close); the slots would stay FILLING until the table is dropped.
             self.spawn_or_fail(&rt.copy, ctx, units, move || {
-                me.stage_dump(&ctx2, job, prerequisite)
+                me.stage_dump(&ctx2, job, prerequisite);
+                drop(fg);
             });
         }
     }

@@ -90,7 +90,11 @@ impl Inner {
         for job in self.copy_jobs(hits) {
             let (me, ctx2) = (self.clone(), ctx.clone());
             let units = job.len();
-            self.spawn_or_fail(&rt.copy, &ctx, units, move || me.copy_out_hits(&ctx2, job));
+            let fg = self.wb.foreground();
+            self.spawn_or_fail(&rt.copy, &ctx, units, move || {
+                me.copy_out_hits(&ctx2, job);
+                drop(fg);
+            });
         }
         for (s, slot) in waits {
             let (me, ctx2) = (self.clone(), ctx.clone());

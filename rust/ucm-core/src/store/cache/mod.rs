@@ -141,7 +141,7 @@ struct Inner {
     backend: Arc<dyn Store>,
     tasks: TaskRegistry,
     c: Counters,
-    wb: WriteBack,
+    wb: Arc<WriteBack>,
     shard_count: usize,
 }
 
@@ -196,7 +196,7 @@ impl CacheStore {
             table,
             backend,
             c: Counters::default(),
-            wb: WriteBack::default(),
+            wb: Arc::default(),
             cfg,
         });
         if inner.transfers() {

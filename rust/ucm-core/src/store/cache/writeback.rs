@@ -8,6 +8,12 @@
 //!
 //! * `async`: an entry is due once it is `write_back_interval` old, or as
 //!   soon as `write_back_batch_size` entries are waiting (whichever first).
+//!   While copies between slots and callers are running (a dump or load
+//!   someone is waiting for), a full batch waits until they end, unless the
+//!   backlog passes a quarter of the cache: the backend write reads slot
+//!   memory and takes CPU, so starting it mid-dump halved the dump's speed
+//!   on a two-core machine, while deferring it costs the backend write a
+//!   few milliseconds of head start.
 //! * `lazy`: an entry is due only when eviction wanted its slot (the
 //!   allocator reports dirty candidates) or on `flush`.
 //! * `sync` dumps write their blocks themselves; only failed ones land here
@@ -20,6 +26,8 @@
 //! written or has failed once more, and reports the failures.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -70,6 +78,22 @@ pub struct WriteBack {
     pub wake: Condvar,
     /// Wakes flushes waiting for a pass to finish.
     pub progress: Condvar,
+    /// Copy jobs between slots and callers queued or running.
+    foreground: AtomicUsize,
+}
+
+/// One foreground copy job, counted while it lives (queued or running).
+pub struct Foreground(Arc<WriteBack>);
+
+impl Drop for Foreground {
+    fn drop(&mut self) {
+        if self.0.foreground.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Under the lock, so the thread cannot miss this between
+            // seeing the copies busy and going to sleep.
+            let _st = self.0.state.lock();
+            self.0.wake.notify_all();
+        }
+    }
 }
 
 /// Retry delay after `attempts` failures.
@@ -79,6 +103,17 @@ pub fn backoff(attempts: u32, max: Duration) -> Duration {
 }
 
 impl WriteBack {
+    /// Counts one foreground copy job until the returned value is dropped.
+    pub fn foreground(self: &Arc<Self>) -> Foreground {
+        self.foreground.fetch_add(1, Ordering::AcqRel);
+        Foreground(self.clone())
+    }
+
+    /// Whether foreground copy jobs are queued or running.
+    pub fn copies_running(&self) -> bool {
+        self.foreground.load(Ordering::Acquire) > 0
+    }
+
     /// Records dirty shards (block, shard, slot). `wanted` marks lazy
     /// entries due at once (an adopted orphan, a failed sync write).
     pub fn add(&self, items: &[(BlockId, u32, u32)], wanted: bool) {
@@ -213,6 +248,8 @@ pub struct Schedule {
     pub lazy: bool,
     /// `write_back_batch_size`.
     pub batch: usize,
+    /// Waiting entries that start a batch even while foreground copies run.
+    pub backlog: usize,
 }
 
 /// Blocks taken for one write.
@@ -229,13 +266,21 @@ impl State {
     /// Takes the due entries, oldest first and at most a batch, and marks
     /// them in flight; `Err` with when to look again when none is due.
     /// Entries a flush is waiting for are due whatever the policy.
-    pub fn take_due(&mut self, now: Instant, s: &Schedule) -> Result<Batch, Instant> {
+    /// `copying`: foreground copies are running, so a full batch alone does
+    /// not make entries due (see the module docs).
+    pub fn take_due(
+        &mut self,
+        now: Instant,
+        s: &Schedule,
+        copying: bool,
+    ) -> Result<Batch, Instant> {
         let gen = self.flush_gen;
         let waiting = self
             .dirty
             .values()
             .filter(|e| !e.inflight && e.next_try <= now)
             .count();
+        let full = waiting >= if copying { s.backlog } else { s.batch };
         let mut next_wake = now + super::HOUSEKEEPING;
         let mut ready: Vec<(Instant, BlockId)> = Vec::new();
         for (b, e) in &self.dirty {
@@ -247,9 +292,7 @@ impl State {
                 next_wake = next_wake.min(e.next_try);
                 continue;
             }
-            let due = flushing
-                || e.wanted
-                || (!s.lazy && (waiting >= s.batch || e.since + s.interval <= now));
+            let due = flushing || e.wanted || (!s.lazy && (full || e.since + s.interval <= now));
             if due {
                 ready.push((e.since, *b));
             } else if !s.lazy {
@@ -347,27 +390,28 @@ mod tests {
             interval: hour,
             lazy: false,
             batch: 2,
+            backlog: 3,
         };
         wb.add(&[(a, 0, 5), (a, 1, 6)], false);
         let mut st = wb.state.lock();
         // Young, and the batch is not full: not due.
-        assert!(st.take_due(Instant::now(), &eager).is_err());
+        assert!(st.take_due(Instant::now(), &eager, false).is_err());
         drop(st);
         wb.add(&[(b, 3, 7)], false);
         let mut st = wb.state.lock();
-        let batch = st.take_due(Instant::now(), &eager).unwrap();
+        let batch = st.take_due(Instant::now(), &eager, false).unwrap();
         assert_eq!(batch.items, vec![(a, 0, 5), (a, 1, 6), (b, 3, 7)]);
         // In flight: not taken twice.
-        assert!(st.take_due(Instant::now(), &eager).is_err());
+        assert!(st.take_due(Instant::now(), &eager, false).is_err());
         let err = UcmError::NoSpace("full".into());
         assert_eq!(st.written(batch.blocks, batch.gen, &Err(err), hour), 2);
         assert_eq!(st.dirty[&a].attempts, 1);
         // Backing off: not due again yet, even with a full batch.
-        assert!(st.take_due(Instant::now(), &eager).is_err());
+        assert!(st.take_due(Instant::now(), &eager, false).is_err());
         st.dirty
             .values_mut()
             .for_each(|e| e.next_try = Instant::now());
-        let batch = st.take_due(Instant::now(), &eager).unwrap();
+        let batch = st.take_due(Instant::now(), &eager, false).unwrap();
         assert_eq!(st.written(batch.blocks, batch.gen, &Ok(()), hour), 0);
         assert!(st.dirty.is_empty());
         drop(st);
@@ -376,15 +420,20 @@ mod tests {
             interval: Duration::ZERO,
             lazy: true,
             batch: 1,
+            backlog: 1,
         };
         wb.add(&[(a, 0, 5)], false);
         wb.add(&[(b, 0, 6)], false);
-        assert!(wb.state.lock().take_due(Instant::now(), &lazy).is_err());
+        assert!(wb
+            .state
+            .lock()
+            .take_due(Instant::now(), &lazy, false)
+            .is_err());
         wb.want(&[b]);
         let take_due = || {
             wb.state
                 .lock()
-                .take_due(Instant::now(), &lazy)
+                .take_due(Instant::now(), &lazy, false)
                 .ok()
                 .unwrap()
         };
@@ -392,6 +441,45 @@ mod tests {
         // A flush makes the rest due whatever the policy.
         wb.state.lock().flush_gen += 1;
         assert_eq!(take_due().items, vec![(a, 0, 5)]);
+    }
+
+    #[test]
+    fn a_full_batch_waits_for_foreground_copies_unless_the_backlog_is_large() {
+        let wb = Arc::new(WriteBack::default());
+        let s = Schedule {
+            interval: Duration::from_secs(3600),
+            lazy: false,
+            batch: 2,
+            backlog: 3,
+        };
+        let due = |copying: bool| {
+            wb.state
+                .lock()
+                .take_due(Instant::now(), &s, copying)
+                .map(|b| b.items.len())
+        };
+        wb.add(&[(BlockId([1; 16]), 0, 1), (BlockId([2; 16]), 0, 2)], false);
+        let fg = wb.foreground();
+        assert!(wb.copies_running());
+        assert!(due(true).is_err());
+        drop(fg);
+        assert!(!wb.copies_running());
+        assert!(due(wb.copies_running()).is_ok());
+        wb.state.lock().dirty.clear();
+        // A backlog starts a batch even while copies run.
+        let three: Vec<_> = (1..=3u8)
+            .map(|i| (BlockId([i; 16]), 0, u32::from(i)))
+            .collect();
+        wb.add(&three, false);
+        assert_eq!(due(true), Ok(2));
+        // So does an entry older than the interval.
+        wb.state.lock().dirty.clear();
+        wb.add(&three[..1], false);
+        let old = Schedule {
+            interval: Duration::ZERO,
+            ..s
+        };
+        assert!(wb.state.lock().take_due(Instant::now(), &old, true).is_ok());
     }
 
     #[test]
@@ -453,6 +541,8 @@ mod thread {
                 interval: Duration::from_millis(self.cfg.write_back_interval_ms),
                 lazy: self.cfg.write_back_policy == WriteBackPolicy::Lazy,
                 batch: self.cfg.write_back_batch_size,
+                backlog: (self.cfg.slots() / self.cfg.shard_count().max(1) / 4)
+                    .max(self.cfg.write_back_batch_size),
             };
             let max_backoff = Duration::from_millis(self.cfg.write_back_max_backoff_ms);
             let mut last_housekeeping = Instant::now();
@@ -463,7 +553,8 @@ mod thread {
                 }
                 let batch = {
                     let mut st = self.wb.state.lock();
-                    match st.take_due(Instant::now(), &schedule) {
+                    let copying = self.wb.copies_running();
+                    match st.take_due(Instant::now(), &schedule, copying) {
                         Ok(batch) => batch,
                         Err(next_wake) => {
                             if st.stop {
