@@ -23,6 +23,7 @@ use crate::block::MemSeg;
 
 pub mod aligned;
 pub mod baseline;
+pub mod bulk_copy;
 pub mod inline;
 pub mod psync;
 #[cfg(target_os = "linux")]

@@ -2,8 +2,9 @@
 //!
 //! Two paths behind one type:
 //!
-//! * **Host** (always available): `memcpy` between the slot and each of the
-//!   caller's segments.
+//! * **Host** (always available): a copy between the slot and each of the
+//!   caller's segments, with streaming stores for large ones
+//!   ([`crate::io::bulk_copy`]).
 //! * **CUDA** (when `device_id >= 0`, `libcudart` can be loaded at run time
 //!   and the caller's addresses are device memory): asynchronous copies on
 //!   the cache's own streams (`cache_stream_number`, used round-robin), then
@@ -24,6 +25,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::block::MemSeg;
 use crate::error::{Result, UcmError};
+use crate::io::bulk_copy::bulk_copy;
 
 /// Whether caller addresses are device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -303,7 +305,7 @@ impl Transport {
         for s in segs {
             // SAFETY: per the contract, source valid for s.len bytes and the
             // destination range lies inside the slot.
-            unsafe { std::ptr::copy_nonoverlapping(s.addr as *const u8, slot.add(off), s.len) };
+            unsafe { bulk_copy(slot.add(off), s.addr as *const u8, s.len) };
             off += s.len;
         }
         Ok(())
@@ -322,7 +324,7 @@ impl Transport {
         let mut off = 0;
         for s in segs {
             // SAFETY: per the contract.
-            unsafe { std::ptr::copy_nonoverlapping(slot.add(off), s.addr as *mut u8, s.len) };
+            unsafe { bulk_copy(s.addr as *mut u8, slot.add(off), s.len) };
             off += s.len;
         }
         Ok(())
