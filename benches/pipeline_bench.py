@@ -7,7 +7,8 @@ page faults are part of what is measured (their count is printed). The
 block files are in the page cache for the loads ("from memory"), and the
 caller's memory is touched beforehand, like a KV cache vLLM allocated at
 start-up, and the store is opened ``--settle`` seconds (2) before the timed call, as an engine
-opens it before loading its model. Printed, as GB/s medians and ratios:
+opens it before loading its model. Each measurement starts with no dirty
+page cache left by the one before (``sync``). Printed, as GB/s medians and ratios:
 
 * cold load (nothing in the Cache tier yet): ``Cache|Posix`` vs ``Posix``;
 * dump until persisted (``wait()`` then ``flush()``): ``Cache|Posix`` vs
@@ -17,12 +18,14 @@ opens it before loading its model. Printed, as GB/s medians and ratios:
 * the minor page faults taken inside each timed call.
 
     python benches/pipeline_bench.py [--dir DIR] [--mib 256] [--shard-kib 1024] [--rounds 3]
+                                     [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -115,6 +118,10 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
 
 
 def run_child(case: str, root: Path, args: argparse.Namespace) -> dict[str, float]:
+    # Buffered writes of an earlier measurement still being flushed to the
+    # disk would slow this one's writes (dirty-page throttling) and take CPU:
+    # every measurement starts with none.
+    os.sync()
     cmd = [
         sys.executable,
         __file__,
@@ -144,6 +151,7 @@ def main() -> None:
     ap.add_argument("--shard-kib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between open and timing")
+    ap.add_argument("--json", type=Path, help="also write every measurement here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     total, shard = args.mib << 20, args.shard_kib << 10
@@ -163,6 +171,8 @@ def main() -> None:
                 # A first read puts the files in the page cache for both.
                 run_child("Posix:load", Path(d), args)
                 res.setdefault(f"{pipe}:load", []).append(run_child(f"{pipe}:load", Path(d), args))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
     mem = median(res["memcpy"], "gbps")
     print(
         f"Cache|Posix vs Posix, {args.mib} MiB in {args.shard_kib} KiB blocks, "
