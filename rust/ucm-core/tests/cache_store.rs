@@ -615,6 +615,36 @@ fn cache_memory_is_committed_at_start_up_unless_disabled() {
     lazy.close().unwrap();
 }
 
+/// A load the cache does not keep (here `write_allocate`) reads a local
+/// backend straight into the caller's memory: the right bytes, counted as
+/// backend reads, nothing cached; an absent block fails and is counted.
+#[test]
+fn a_bypassed_load_over_posix_reads_into_the_caller() {
+    let dir = tempfile::tempdir().unwrap();
+    let posix = Arc::new(PosixStore::open(posix_cfg(dir.path())).unwrap());
+    for n in 0..4 {
+        dump(posix.as_ref(), n).unwrap();
+    }
+    let cache = CacheStore::open(
+        CacheConfig {
+            fill_policy: FillPolicy::WriteAllocate,
+            ..cfg(64)
+        },
+        posix,
+    )
+    .unwrap();
+    for n in 0..4 {
+        load(&cache, n).unwrap();
+        assert!(!cache.cached(&id(n)).unwrap());
+    }
+    assert!(load(&cache, 9).is_err());
+    let s = cache.stats();
+    assert_eq!(s["bypass_loads"], (5 * SHARDS) as f64);
+    assert_eq!(s["l2_hits"], (4 * SHARDS) as f64);
+    assert_eq!(s["l2_misses"], SHARDS as f64);
+    assert_eq!(s["bytes_loaded_l2"], (4 * SHARDS * SHARD) as f64);
+}
+
 /// A cold load over a local backend reads straight into the caller's
 /// memory and fills the cache afterwards, so the caller never waits for
 /// the slot's first touch or a second copy. The cache is filled all the
