@@ -286,17 +286,12 @@ impl Inner {
             self.wb.settle(&unwritten, self.deadline(ctx));
         }
         let caller: Vec<ShardIo> = fills.iter().map(|(s, _)| s.clone()).collect();
-        let res = self.backend.load(caller).and_then(|t| self.backend.wait(t));
-        let n = fills.len();
         let slots: Vec<(BlockId, usize, u32)> = fills
             .iter()
             .map(|(s, slot)| (s.block, s.index, *slot))
             .collect();
         drop(fills);
-        self.count_backend_loads(n, &res);
-        for _ in 0..n {
-            ctx.done(&self.c, res.clone());
-        }
+        let res = self.read_into_caller(ctx, caller);
         let ends: Vec<u32> = slots.iter().map(|&(_, _, slot)| slot).collect();
         let me = self.clone();
         let queued =
@@ -333,11 +328,8 @@ impl Inner {
             self.wb.settle(&unwritten, self.deadline(ctx));
         }
         if self.backend.reads_are_local() && items.iter().all(|s| self.transport.is_host(&s.segs)) {
-            let res = self.backend.load(items).and_then(|t| self.backend.wait(t));
-            self.count_backend_loads(n, &res);
-            for _ in 0..n {
-                ctx.done(&self.c, res.clone());
-            }
+            // The outcome is already the task's, unit by unit.
+            let _ = self.read_into_caller(ctx, items);
             return;
         }
         let bufs: Result<Vec<AlignedBuf>> = (0..n).map(|_| staging(self.cfg.shard_size)).collect();
@@ -372,6 +364,18 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Reads `shards` from the backend straight into the caller's memory,
+    /// counts them and completes their units; returns the outcome.
+    fn read_into_caller(&self, ctx: &TaskCtx, shards: Vec<ShardIo>) -> Result<()> {
+        let n = shards.len();
+        let res = self.backend.load(shards).and_then(|t| self.backend.wait(t));
+        self.count_backend_loads(n, &res);
+        for _ in 0..n {
+            ctx.done(&self.c, res.clone());
+        }
+        res
     }
 
     /// Counts `n` shards read from the backend with outcome `res`.
