@@ -453,7 +453,11 @@ impl Shared {
         self.counters
             .blocks_committed
             .fetch_add(1, Ordering::Relaxed);
-        if self.cfg.capacity_bytes > 0 && self.index.used_bytes() > self.cfg.capacity_bytes {
+        // The wake when this writer took its spare came before this block
+        // counted as used: at the capacity, the pool is refilled only now.
+        if self.cfg.capacity_bytes > 0
+            && (self.index.used_bytes() > self.cfg.capacity_bytes || self.spare_reserve_bytes() > 0)
+        {
             evict::wake(self);
         }
         Ok(())
