@@ -9,7 +9,7 @@ to the new environment's path): vLLM's CPU build can't be installed by pip
 from its own requirements (see requirements-vllm.txt), and a second copy of
 torch would cost gigabytes. Everything of ucm itself comes from the wheel.
 
-    python tools/install_check.py [--keep]
+    python tools/install_check.py [--keep] [--profile release]
 """
 
 from __future__ import annotations
@@ -131,6 +131,14 @@ class Server:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument(
+        "--profile",
+        default="dist",
+        help=(
+            "Cargo profile of the wheel: dist (what ships) or release (reuses the build "
+            "tools/setup.sh made, instead of compiling every dependency again)"
+        ),
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ucm-install-check-"))
     try:
@@ -138,7 +146,7 @@ def main() -> int:
             DEV / "bin" / "maturin",
             "build",
             "--profile",
-            "dist",
+            args.profile,
             "-q",
             "-o",
             work / "dist",
