@@ -165,3 +165,33 @@ def test_layers() -> None:
                 if any(m == "vllm" or m.startswith("vllm.") for m in mods):
                     bad.append(f"{name}:{node.lineno}: ucm.sparse must not import vLLM")
     assert not bad, "\n".join(bad)
+
+
+#: A file longer than this says why at its top (see `test_long_files_say_why`).
+LONG_FILE_LINES = 620
+REPO = PACKAGE.parents[1]
+
+
+def _head_comment(path: Path) -> str:
+    """The module docstring of a Python file, or the leading ``//!`` lines of a Rust one."""
+    text = path.read_text()
+    if path.suffix == ".py":
+        return ast.get_docstring(ast.parse(text)) or ""
+    head = []
+    for line in text.splitlines():
+        if not line.startswith("//!"):
+            break
+        head.append(line)
+    return "\n".join(head)
+
+
+def test_long_files_say_why() -> None:
+    files = [*PACKAGE.rglob("*.py"), *(REPO / "rust").glob("*/src/**/*.rs")]
+    assert len(files) > 100
+    silent = [
+        f"{path.relative_to(REPO)} ({n} lines)"
+        for path in sorted(files)
+        if (n := len(path.read_text().splitlines())) > LONG_FILE_LINES
+        and "Over 600 lines" not in _head_comment(path)
+    ]
+    assert not silent, "long files without a reason at their top: " + ", ".join(silent)

@@ -13,7 +13,7 @@
 //! a wait inside a finalizer would block whatever thread the garbage
 //! collector happens to run on for up to `timeout_ms`.
 //!
-//! One long file because PyO3 (without its `multiple-pymethods` feature)
+//! Over 600 lines because PyO3 (without its `multiple-pymethods` feature)
 //! takes a class's Python methods in one `#[pymethods]` block.
 
 use std::collections::HashMap;

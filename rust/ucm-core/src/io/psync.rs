@@ -11,7 +11,7 @@
 //! Dropping the engine closes the channel; workers finish every request
 //! already queued (each callback still runs exactly once) and are joined.
 //!
-//! (Most of this file's length is its unit tests, kept beside the engine.)
+//! Over 600 lines: most of it is its unit tests, kept beside the engine.
 
 use std::os::fd::RawFd;
 use std::thread::JoinHandle;

@@ -24,6 +24,8 @@
 //! (50 ms doubling up to `write_back_max_backoff`). `flush` makes every
 //! entry present at its start due immediately, waits until each has been
 //! written or has failed once more, and reports the failures.
+//!
+//! Over 600 lines with its unit tests (the second 260); the code is 360.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
