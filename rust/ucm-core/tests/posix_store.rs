@@ -625,6 +625,13 @@ fn evicted_files_are_recycled_and_rewritten_whole() {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
+    // The last commit woke the evictor to refill the pool (2 files) from
+    // cold blocks: let it finish, so no block leaves between the lookup
+    // and the loads below.
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while work_files(dir.path()).0 < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let st = store.counters();
     assert!(st.evictions >= 20, "{st:?}");
     assert!(st.files_recycled >= 10, "{st:?}");
@@ -719,15 +726,22 @@ fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
     let store = PosixStore::open(cfg.clone()).unwrap();
     let data = Buf::filled(SHARD, 5, 0);
     let settle = |store: &PosixStore| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
         // Evictions keep up with the dumps: within the capacity, and the
-        // spare pool (4 files) refilled by recycling.
+        // spare pool (4 files) refilled by recycling. Each commit wakes the
+        // evictor, so this takes milliseconds; the bound is below the
+        // evictor's periodic pass (5 s), which must not be what refills it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
         let spares = || work_files(dir.path()).0;
-        while (store.counters().used_bytes > cfg.capacity_bytes || spares() < 4)
-            && std::time::Instant::now() < deadline
-        {
+        let behind = || store.counters().used_bytes > cfg.capacity_bytes || spares() < 4;
+        while behind() && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
         }
+        assert!(
+            !behind(),
+            "spare pool not refilled within 3 s: {} spare(s), {:?}",
+            spares(),
+            store.counters()
+        );
     };
     let put = |store: &PosixStore, n: u32| {
         let t = store
