@@ -25,9 +25,9 @@ hidden 1024, 8 KV heads of 128, float32: 128 KiB of KV per token), prompts of
 The ``floor`` of a from-memory load is ``one token`` plus the KV bytes over
 the memory-copy bandwidth measured in the same run; ``pc floor`` is the same
 with the page-cache read bandwidth instead (what a fresh engine's load from
-the page cache cannot beat: the kernel copies every byte out of it). The raw O_DIRECT read
-bandwidth of the store's disk and the page-cache read bandwidth are printed
-too. Loads are measured for each of ``--pipelines`` (the default pipeline,
+the page cache cannot beat: the kernel copies every byte out of it). The raw
+O_DIRECT read bandwidth of the store's disk and the page-cache read bandwidth
+are printed too. Loads are measured for each of ``--pipelines`` (the default pipeline,
 ``Cache|Posix``, and ``Posix`` alone) and each of ``--modes``. Targets:
 ``UCM mem`` <= 1.0 x ``vllm hit`` and <= 1.15 x ``floor``; ``ucm miss`` <=
 1.03 x ``recompute`` (also given in CPU time of the engine process, which

@@ -28,9 +28,8 @@
 //! Pooled buffers are **not zeroed on reuse**: a buffer's contents are
 //! whatever the previous holder left in it (the arena starts zeroed).
 //!
-//! (The file is long because its unit tests sit beside the pool.)
-//!
-//! Over 600 lines with its unit tests (the last 110); the code is 510.
+//! Over 600 lines because its unit tests sit beside the pool (the last
+//! 110); the code is 510.
 
 use std::alloc::{self, Layout};
 use std::collections::BTreeSet;

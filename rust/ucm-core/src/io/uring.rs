@@ -55,9 +55,8 @@
 //! threads, which exit once their ring has no request in flight or pending:
 //! every request submitted before the drop completes and its callback runs.
 //!
-//! (The file is long because its unit tests sit beside the engine.)
-//!
-//! Over 600 lines with its unit tests (the last 210); the code is 570.
+//! Over 600 lines because its unit tests sit beside the engine (the last
+//! 210); the code is 570.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
