@@ -43,6 +43,7 @@
 //! equal.
 
 mod md5_ucm;
+pub mod xxh3;
 
 use std::fmt;
 use std::str::FromStr;
@@ -118,8 +119,8 @@ pub fn root_id(meta: &[u8], algo: HashAlgo) -> BlockId {
             trunc32(blake3::keyed_hash(&key, ROOT_MESSAGE).as_bytes())
         }
         HashAlgo::Xxh3_128 => {
-            let seed = xxhash_rust::xxh3::xxh3_64(meta);
-            BlockId(xxhash_rust::xxh3::xxh3_128_with_seed(ROOT_MESSAGE, seed).to_be_bytes())
+            let seed = xxh3::xxh3_64(meta);
+            BlockId(xxh3::xxh3_128_with_seed(ROOT_MESSAGE, seed).to_be_bytes())
         }
         HashAlgo::Md5Ucm => md5_ucm::root_id(meta),
     }
@@ -151,9 +152,9 @@ pub fn block_ids(
         HashAlgo::Md5Ucm => Ok(md5_ucm::chain(tokens, block_size, meta, parent)),
         HashAlgo::Blake3 => blake3_chain(tokens, block_size, meta, parent),
         HashAlgo::Xxh3_128 => {
-            let seed = xxhash_rust::xxh3::xxh3_64(meta);
+            let seed = xxh3::xxh3_64(meta);
             chain_u32(tokens, block_size, parent, |msg| {
-                BlockId(xxhash_rust::xxh3::xxh3_128_with_seed(msg, seed).to_be_bytes())
+                BlockId(xxh3::xxh3_128_with_seed(msg, seed).to_be_bytes())
             })
         }
     }
@@ -539,13 +540,13 @@ mod tests {
         let ids = block_ids(&toks, 2, META, HashAlgo::Blake3, None).expect("ids");
         assert_eq!(ids[0], id0);
 
-        let seed = xxhash_rust::xxh3::xxh3_64(META);
+        let seed = xxh3::xxh3_64(META);
         let root = root_id(META, HashAlgo::Xxh3_128);
         let mut msg = root.0.to_vec();
         for t in &toks[..2] {
             msg.extend_from_slice(&(*t as u32).to_le_bytes());
         }
-        let id0 = xxhash_rust::xxh3::xxh3_128_with_seed(&msg, seed).to_be_bytes();
+        let id0 = xxh3::xxh3_128_with_seed(&msg, seed).to_be_bytes();
         let ids = block_ids(&toks, 2, META, HashAlgo::Xxh3_128, None).expect("ids");
         assert_eq!(ids[0].0, id0);
     }

@@ -9,7 +9,7 @@
 //! by the same checks as a Posix load, and a block can be copied between a
 //! Posix directory, an NFS export and a bucket unchanged.
 
-use xxhash_rust::xxh3::xxh3_64;
+use crate::hashing::xxh3::xxh3_64;
 
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Damage, Result, UcmError};

@@ -18,7 +18,7 @@
 //! sizes), the checksum of the shard's data and a checksum of itself, so a
 //! torn, foreign, truncated or differently-laid-out block is always detected.
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use crate::hashing::xxh3::{xxh3_64, Xxh3Stream};
 
 use crate::block::{BlockId, MemSeg};
 use crate::error::{Damage, Result, UcmError};
@@ -88,7 +88,7 @@ pub struct Layout {
 impl Layout {
     /// Builds the layout; sizes are validated by the caller's config.
     pub fn new(block_size: usize, shard_size: usize, tensor_sizes: &[usize]) -> Self {
-        let mut fp = Xxh3::new();
+        let mut fp = Xxh3Stream::new();
         fp.update(&VERSION.to_le_bytes());
         fp.update(&(block_size as u64).to_le_bytes());
         fp.update(&(shard_size as u64).to_le_bytes());
@@ -247,7 +247,7 @@ pub unsafe fn checksum_segs(segs: &[MemSeg]) -> u64 {
         // SAFETY: guaranteed by the caller.
         return xxh3_64(unsafe { std::slice::from_raw_parts(one.addr as *const u8, one.len) });
     }
-    let mut h = Xxh3::new();
+    let mut h = Xxh3Stream::new();
     for s in segs {
         // SAFETY: guaranteed by the caller.
         h.update(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len) });

@@ -316,7 +316,7 @@ impl Shared {
                 off += s.len;
             }
             head[HEADER_LEN + size..head_len].fill(0);
-            xxhash_rust::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
+            crate::hashing::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
         } else {
             // SAFETY: valid per the caller's contract.
             unsafe { checksum_segs(&shard.segs) }

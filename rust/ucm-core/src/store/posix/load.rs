@@ -258,7 +258,7 @@ impl Shared {
         }
         let hdr = ShardHeader::decode_expect(head, &shard.block, shard.index, &self.layout)?;
         let sum = if bounced {
-            xxhash_rust::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + self.layout.shard_size])
+            crate::hashing::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + self.layout.shard_size])
         } else {
             // SAFETY: the caller guarantees the segments are valid
             // until its task completes, which happens after this.
@@ -342,7 +342,7 @@ impl Shared {
             return false;
         }
         ShardHeader::decode_expect(&buf[..HEADER_LEN], &shard.block, shard.index, &self.layout)
-            .is_ok_and(|hdr| xxhash_rust::xxh3::xxh3_64(&buf[HEADER_LEN..]) == hdr.checksum)
+            .is_ok_and(|hdr| crate::hashing::xxh3::xxh3_64(&buf[HEADER_LEN..]) == hdr.checksum)
     }
 }
 

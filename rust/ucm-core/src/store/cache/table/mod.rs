@@ -53,7 +53,7 @@ mod slots;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
-use xxhash_rust::xxh3::Xxh3;
+use crate::hashing::xxh3::Xxh3Stream;
 
 use super::policy::PolicyKind;
 use super::region::{Mapping, ShmObject};
@@ -170,7 +170,7 @@ impl Geometry {
         let off_policy = align(off_buckets + 4 * n_buckets, 64);
         let off_data = align(off_policy + 4 * policy.words(n_slots), 4096);
         let total_len = off_data + n_slots * stride;
-        let mut h = Xxh3::new();
+        let mut h = Xxh3Stream::new();
         for v in [
             u64::from(VERSION),
             n_slots as u64,
