@@ -210,12 +210,15 @@ def test_full_hit_leaves_one_token_and_local_hits_are_skipped(tmp_path: Path) ->
     a.close()
 
 
-def start_full_hit_load(side: Side, toks: list[int], blocks: list[int]) -> Any:
+def start_full_hit_load(side: Side, toks: list[int], blocks: list[int], others: int = 0) -> Any:
     """Admits a block-aligned prompt that is all in the store, binds its
-    first step and starts its loads (vLLM then runs the forward)."""
+    first step and starts its loads (vLLM then runs the forward). ``others``:
+    tokens that requests without transfers compute in the same step."""
     req = FakeRequest("r2", list(toks))
     assert side.admit(req, blocks) == len(toks) - 1
-    meta = side.sched.build_connector_meta(sched_output(new=[("r2", len(toks) - 1, 1)]))
+    so = sched_output(new=[("r2", len(toks) - 1, 1)])
+    so.total_num_scheduled_tokens += others
+    meta = side.sched.build_connector_meta(so)
     side.worker.bind(meta)
     side.worker.start_load_kv()
     return side.worker
@@ -234,7 +237,8 @@ def test_layerwise_loads_the_block_vllm_writes_before_the_forward(
     save_prompt(a, "r1", toks, [0, 1, 2, 3])
     a.close()
     b = Side(tmp_path, use_layerwise=True, layerwise_lookahead=lookahead)
-    w = start_full_hit_load(b, toks, [10, 11, 12, 13])
+    # Other requests compute in the same step, so it loads layer by layer.
+    w = start_full_hit_load(b, toks, [10, 11, 12, 13], others=2 * BS)
     assert torch.equal(b.kv[:, 13], a.kv[:, 3])  # before any layer wait
     written = torch.full((H, C), 7.0)
     for i in range(L):
@@ -247,6 +251,31 @@ def test_layerwise_loads_the_block_vllm_writes_before_the_forward(
         assert torch.equal(b.kv[:, dst], a.kv[:, src])
     stats = w.get_kv_connector_stats()
     assert stats is not None and stats.data["load_blocks"] == 4
+    # The last block's load, then one load per layer.
+    assert len(stats.data["load_durations_ms"]) == 1 + L
+    w.clear()
+    b.close()
+
+
+def test_a_layerwise_step_with_nothing_to_compute_loads_whole_step(tmp_path: Path) -> None:
+    """A prompt that is all hits but its last token, alone in its step: no
+    compute to hide per-layer loads behind, so everything is loaded (one
+    load, every layer) before the forward starts."""
+    a = Side(tmp_path)
+    toks = tokens(4 * BS, 9)
+    save_prompt(a, "r1", toks, [0, 1, 2, 3])
+    a.close()
+    b = Side(tmp_path, use_layerwise=True)
+    w = start_full_hit_load(b, toks, [10, 11, 12, 13], others=BS - 2)
+    for src, dst in zip([0, 1, 2, 3], [10, 11, 12, 13], strict=True):
+        assert torch.equal(b.kv[:, dst], a.kv[:, src])  # before any layer wait
+    for i in range(L):
+        w.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == set()
+    stats = w.get_kv_connector_stats()
+    assert stats is not None and stats.data["load_blocks"] == 4
+    assert len(stats.data["load_durations_ms"]) == 1
     w.clear()
     b.close()
 
@@ -279,7 +308,7 @@ def test_corrupt_block_is_reported_and_saved_again(tmp_path: Path, lookahead: in
     path.write_bytes(bytes(raw))
 
     b = Side(tmp_path, use_layerwise=True, layerwise_lookahead=lookahead)
-    w = start_full_hit_load(b, toks, [10, 11, 12, 13])
+    w = start_full_hit_load(b, toks, [10, 11, 12, 13], others=2 * BS)
     for i in range(L):
         w.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
     w.wait_for_save()

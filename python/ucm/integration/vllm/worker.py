@@ -13,6 +13,8 @@ Modes:
   layers; ``wait_for_layer_load(l)`` waits for layer l and submits layer
   l + lookahead, so loading overlaps the compute of earlier layers;
   ``save_kv_layer(l)`` submits layer l's saves right after its attention.
+  A step that computes less than one block has nothing to overlap with and
+  loads whole-step.
 
 Either way one store block holds one shard per layer, so the two modes read
 each other's blocks. The steps of a transfer are :mod:`.transfer`'s; saves
@@ -246,7 +248,7 @@ class UCMWorkerSide:
         # A method that rewrites loaded KV needs all of it in place before the
         # first layer writes (vLLM waits for a layer's load only after that
         # layer's KV write): whole-step.
-        if self.layerwise and not self._loads_first:
+        if self.layerwise and not self._loads_first and self._has_compute_to_overlap():
             self._load_next = 0
             if self.cfg.connector.prefetch and self.store is not None:
                 # Whole block files start streaming in while the first layers load.
@@ -278,6 +280,14 @@ class UCMWorkerSide:
                 loaded = [t for t in self._meta.requests if t.load_keys]
                 self.load_observer.blocks_loaded(loaded, failed)
             self._finish_load_step()
+
+    def _has_compute_to_overlap(self) -> bool:
+        """Layer-wise loading hides loads behind the forward's compute. A
+        step that computes less than one block (prompts that are all hits but
+        their last tokens, and nothing else scheduled) has no compute to hide
+        them behind, and there per-layer submits and waits only add their
+        cost: such a step loads whole-step, as fast as that mode."""
+        return self._meta is None or self._meta.num_scheduled_tokens >= self.geom.block_size
 
     def _submit_load_layer(self) -> None:
         assert self.layout is not None
