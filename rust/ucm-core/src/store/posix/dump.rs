@@ -4,6 +4,7 @@
 //! committer thread once every shard is written, after the syncs that the
 //! `durability` setting asks for.
 
+use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -39,6 +40,70 @@ struct TempFile {
     spare: bool,
 }
 
+/// The blocks being assembled, and those whose file is still being found.
+#[derive(Default)]
+pub(super) struct Writers {
+    by_block: HashMap<BlockId, Arc<BlockWriter>>,
+    /// Blocks whose first shard is finding their file (taking a spare,
+    /// recycling cold blocks, or creating one). Each holds, or is about to
+    /// hold, a file that neither the index, the pool nor `by_block` counts
+    /// yet, so the capacity check counts it here; the block's other shards
+    /// wait for its writer instead of finding files of their own.
+    opening: HashSet<BlockId>,
+}
+
+impl Writers {
+    /// Block files held for blocks not yet published, one per block
+    /// assembled or opening.
+    fn files(&self) -> usize {
+        self.by_block.len() + self.opening.len()
+    }
+
+    /// Every writer, leaving none (`opening` is left as it is: its owners
+    /// finish or give up on their own).
+    pub(super) fn drain(&mut self) -> Vec<Arc<BlockWriter>> {
+        self.by_block.drain().map(|(_, w)| w).collect()
+    }
+
+    /// The writers that made no progress for `idle`.
+    pub(super) fn stale(&self, idle: std::time::Duration) -> Vec<Arc<BlockWriter>> {
+        self.by_block
+            .values()
+            .filter(|w| w.is_stale(idle))
+            .cloned()
+            .collect()
+    }
+}
+
+/// A block registered in [`Writers::opening`]: leaving it, by
+/// [`Opening::close`] or on drop (an error while finding the file), wakes
+/// the block's other shards.
+struct Opening<'a> {
+    shared: &'a Shared,
+    block: BlockId,
+    open: bool,
+}
+
+impl Opening<'_> {
+    fn close(&mut self, writers: &mut Writers) {
+        if self.open {
+            writers.opening.remove(&self.block);
+            self.open = false;
+            self.shared.opened.notify_all();
+        }
+    }
+}
+
+impl Drop for Opening<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let shared = self.shared;
+            let mut writers = shared.writers.lock();
+            self.close(&mut writers);
+        }
+    }
+}
+
 /// Longest a load waits for a commit in progress (a rename and an index
 /// insert; the bound only matters if the committing thread is starved).
 const COMMIT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -50,36 +115,56 @@ impl Shared {
     /// commit either joins that writer or sees the published block, and
     /// never starts a second writer that would wait forever for shards
     /// already written.
+    ///
+    /// The shards of a new block arrive on several workers at once: the
+    /// first finds the block's file, the others wait for its writer. Were
+    /// each to find one, a block would take several spares (its siblings'
+    /// only to give them back), and files held that way, counted nowhere,
+    /// would make a store at capacity look as if it had room to create.
     pub(super) fn writer_for(&self, block: &BlockId) -> Result<Option<Arc<BlockWriter>>> {
-        let assembling = {
-            let writers = self.writers.lock();
-            if let Some(w) = writers.get(block) {
-                if w.failure().is_none() {
-                    return Ok(Some(w.clone()));
+        let mut opening = {
+            let mut writers = self.writers.lock();
+            loop {
+                if let Some(w) = writers.by_block.get(block) {
+                    if w.failure().is_none() {
+                        return Ok(Some(w.clone()));
+                    }
                 }
+                if self.index.contains(block) && self.dumped_again(block) {
+                    return Ok(None);
+                }
+                if !writers.opening.contains(block) {
+                    break;
+                }
+                self.opened.wait(&mut writers);
             }
-            if self.index.contains(block) && self.dumped_again(block) {
-                return Ok(None);
+            writers.opening.insert(*block);
+            Opening {
+                shared: self,
+                block: *block,
+                open: true,
             }
-            writers.len()
         };
         // Outside the lock: finding a file may evict (rename) a batch, and
         // creating one is slow on some file systems.
         let root = self.paths.root_index(block);
-        let temp = self.temp_file(block, root, assembling)?;
+        let temp = self.temp_file(block, root)?;
         let mut writers = self.writers.lock();
         let existing = writers
+            .by_block
             .get(block)
             .filter(|w| w.failure().is_none())
             .cloned();
         if existing.is_some() || (self.index.contains(block) && self.dumped_again(block)) {
             let TempFile { path, file, spare } = temp;
             drop(file);
+            // Still opening, so the file stays counted until it is back.
             if spare {
                 self.spares.put_back(root, path);
             } else {
                 let _ = std::fs::remove_file(path);
             }
+            opening.close(&mut writers);
             return Ok(existing);
         }
         if self.spare_reserve_bytes() > 0 {
@@ -92,7 +177,8 @@ impl Shared {
             temp.file,
             self.layout.shard_count,
         ));
-        writers.insert(*block, w.clone());
+        writers.by_block.insert(*block, w.clone());
+        opening.close(&mut writers);
         Ok(Some(w))
     }
 
@@ -127,9 +213,9 @@ impl Shared {
 
     /// An open file to assemble `block` in: a checked spare when the pool
     /// has one (a spare that fails the check is removed), else a new file.
-    fn temp_file(&self, block: &BlockId, root: usize, assembling: usize) -> Result<TempFile> {
+    fn temp_file(&self, block: &BlockId, root: usize) -> Result<TempFile> {
         for _ in 0..MAX_BAD_SPARES {
-            let Some(path) = self.spare_for_new_block(root, assembling) else {
+            let Some(path) = self.spare_for_new_block(root) else {
                 break;
             };
             if let Some(file) = self.opener.reuse(&path, self.layout.file_len()) {
@@ -170,15 +256,15 @@ impl Shared {
         }
     }
 
-    /// A spare file for a new block under root `root`, with `assembling`
-    /// other blocks being written. When the pool is empty and the new
+    /// A spare file for a new block under root `root` (registered in
+    /// [`Writers::opening`]). When the pool is empty and the new
     /// block would take the store past its capacity, evicts a batch
     /// of cold blocks into the pool now (one rename each) instead of
     /// creating a file, which on ext4 costs more than writing a 1 MiB
     /// shard, only for the evictor to delete another one right after. A
     /// burst of dumps into a store at capacity thus never creates or
     /// deletes files, whatever the pool's size. None: create a file.
-    pub(super) fn spare_for_new_block(&self, root: usize, assembling: usize) -> Option<PathBuf> {
+    pub(super) fn spare_for_new_block(&self, root: usize) -> Option<PathBuf> {
         if let Some(f) = self.spares.take(root) {
             return Some(f);
         }
@@ -187,7 +273,7 @@ impl Shared {
             return None;
         }
         let len = self.layout.file_len().max(1);
-        let after = self.index.used_bytes() + self.spares.bytes() + (assembling as u64 + 1) * len;
+        let after = self.bytes_with_unpublished_files();
         if after <= cap {
             return None;
         }
@@ -205,17 +291,32 @@ impl Shared {
         self.spares.take(root)
     }
 
+    /// Bytes of the store's files: blocks, spares, and one block file per
+    /// block assembled or opening (the caller's new block included, as it
+    /// is opening). Read under the writers lock, in the order files move
+    /// through them: a file leaves the index for the pool only once the pool
+    /// counts it (see `evict`), leaves the pool for a block already opening,
+    /// and leaves the writers only once the index counts it (`commit`), so
+    /// a file in motion is counted twice at worst, never missed, and no
+    /// create is taken for room that is not there.
+    fn bytes_with_unpublished_files(&self) -> u64 {
+        let writers = self.writers.lock();
+        let used = self.index.used_bytes();
+        let spares = self.spares.bytes();
+        used + spares + writers.files() as u64 * self.layout.file_len()
+    }
+
     /// True when `block` had all its shards written and its commit, in
     /// progress on another thread, has now finished.
     pub(super) fn commit_settled(&self, block: &BlockId) -> bool {
-        let writer = self.writers.lock().get(block).cloned();
+        let writer = self.writers.lock().by_block.get(block).cloned();
         writer.is_some_and(|w| w.all_written() && w.wait_settled(COMMIT_WAIT))
     }
 
     /// Drops every block still being assembled (at close: their missing
     /// shards can no longer arrive) and removes their temporary files.
     pub(super) fn abandon_writers(&self) {
-        let pending: Vec<_> = self.writers.lock().drain().map(|(_, w)| w).collect();
+        let pending = self.writers.lock().drain();
         for w in pending {
             w.abandon();
             let _ = std::fs::remove_file(&w.tmp);
@@ -224,8 +325,12 @@ impl Shared {
 
     pub(super) fn forget_writer(&self, w: &Arc<BlockWriter>) {
         let mut writers = self.writers.lock();
-        if writers.get(&w.block).is_some_and(|cur| Arc::ptr_eq(cur, w)) {
-            writers.remove(&w.block);
+        if writers
+            .by_block
+            .get(&w.block)
+            .is_some_and(|cur| Arc::ptr_eq(cur, w))
+        {
+            writers.by_block.remove(&w.block);
         }
     }
 

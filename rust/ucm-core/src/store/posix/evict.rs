@@ -150,13 +150,26 @@ fn evict_one(shared: &Shared, id: &super::BlockId) -> bool {
             return false;
         }
     }
+    let root = shared.paths.root_index(id);
+    // Only a regular file becomes a spare; whatever else was put at a
+    // block's name is deleted.
+    let file_len = match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_file() => Some(m.len()),
+        _ => None,
+    };
+    // The pool counts the file before the index lets it go: a dump checking
+    // the capacity in between would otherwise see room for a create.
+    let reserved = file_len.filter(|l| shared.spares.reserve(root, *l));
     if shared.index.remove_if_unpinned(id).is_none() {
+        if let Some(l) = reserved {
+            shared.spares.unreserve(l);
+        }
         return false;
     }
     // Counted with each removal, so stats never show a block gone from the
     // index but not yet counted as evicted.
     shared.counters.evictions.fetch_add(1, Ordering::Relaxed);
-    if shared.spares.recycle(shared.paths.root_index(id), &path) {
+    if reserved.is_some_and(|l| shared.spares.recycle(root, &path, l)) {
         shared
             .counters
             .files_recycled
@@ -221,13 +234,7 @@ pub(super) fn spare_budget(cap: u64, target: usize, file_len: u64) -> u64 {
 fn drop_abandoned_writers(shared: &Shared) {
     let idle =
         Duration::from_millis(shared.cfg.timeout_ms.saturating_mul(2)).max(Duration::from_secs(60));
-    let stale: Vec<_> = shared
-        .writers
-        .lock()
-        .values()
-        .filter(|w| w.is_stale(idle))
-        .cloned()
-        .collect();
+    let stale = shared.writers.lock().stale(idle);
     for w in stale {
         w.abandon();
         shared.forget_writer(&w);

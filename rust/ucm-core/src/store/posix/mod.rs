@@ -49,7 +49,6 @@ use self::files::{DirectAlign, Opener, Paths};
 use self::index::Index;
 use self::load::load_runs;
 use self::spare::SparePool;
-use self::writer::BlockWriter;
 use super::{Store, StoreDebug, StoreFacts, StoreStats};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
@@ -97,7 +96,9 @@ struct Shared {
     opener: Opener,
     align: DirectAlign,
     index: Arc<Index>,
-    writers: Mutex<std::collections::HashMap<BlockId, Arc<BlockWriter>>>,
+    writers: Mutex<dump::Writers>,
+    /// Signalled when a block leaves [`dump::Writers::opening`].
+    opened: Condvar,
     tasks: TaskRegistry,
     tmp_seq: AtomicU64,
     zero_pad: AlignedBuf,

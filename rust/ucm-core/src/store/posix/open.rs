@@ -179,6 +179,7 @@ impl Shared {
             align,
             index,
             writers: Mutex::new(Default::default()),
+            opened: Condvar::new(),
             tasks: TaskRegistry::new(cfg.timeout_ms),
             tmp_seq: AtomicU64::new(0),
             zero_pad: AlignedBuf::new(REGION_ALIGN),

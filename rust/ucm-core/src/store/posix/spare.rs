@@ -182,11 +182,13 @@ impl SparePool {
         by_bytes.clamp(self.target, self.target.saturating_mul(4))
     }
 
-    /// Offers a block file that is being removed from the store (evicted) as
-    /// a spare under root `root`: renames it into the spare directory and
-    /// returns true, or returns false (the caller deletes it) when the pool
-    /// is disabled or full, or the rename fails.
-    pub fn recycle(&self, root: usize, file: &Path) -> bool {
+    /// Makes room in root `root`'s pool for a block file of `len` bytes
+    /// that is about to be evicted: charges its bytes and returns true, or
+    /// returns false when the pool is disabled or full. Charged before the
+    /// block leaves the index, so the file counts in one or the other
+    /// throughout the move; [`SparePool::recycle`] completes it, or
+    /// [`SparePool::unreserve`] gives the bytes back.
+    pub fn reserve(&self, root: usize, len: u64) -> bool {
         if !self.enabled() || self.prealloc_len == 0 {
             return false;
         }
@@ -196,15 +198,22 @@ impl SparePool {
         if r.files.lock().len() >= self.recycle_cap() {
             return false;
         }
-        // Only a regular file becomes a spare; whatever else was put at a
-        // block's name is deleted by the caller.
-        let len = match std::fs::symlink_metadata(file) {
-            Ok(m) if m.file_type().is_file() => m.len(),
-            _ => return false,
-        };
-        if !self.charge(len) {
+        self.charge(len)
+    }
+
+    /// Gives back the bytes of a [`SparePool::reserve`] whose block stayed.
+    pub fn unreserve(&self, len: u64) {
+        self.release(len);
+    }
+
+    /// Renames an evicted block file, reserved with [`SparePool::reserve`]
+    /// at `len` bytes, into root `root`'s spare directory and returns true;
+    /// or returns false (the caller deletes it) when the rename fails.
+    pub fn recycle(&self, root: usize, file: &Path, len: u64) -> bool {
+        let Some(r) = self.roots.get(root) else {
+            self.release(len);
             return false;
-        }
+        };
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let spare = r.dir.join(format!("{SPARE_PREFIX}r{seq}"));
         if std::fs::rename(file, &spare).is_err() {
@@ -415,7 +424,7 @@ mod tests {
         for i in 0..5 {
             let f = d.path().join(format!("block{i}"));
             std::fs::write(&f, [i as u8; 100]).unwrap();
-            let kept = pool.recycle(0, &f);
+            let kept = pool.reserve(0, 100) && pool.recycle(0, &f, 100);
             assert_eq!(kept, i < 4, "file {i}");
             assert_eq!(f.exists(), !kept, "file {i}");
         }
@@ -426,9 +435,13 @@ mod tests {
         }
         // The last recycled is handed out first; contents are the old ones.
         assert_eq!(taken, vec![3, 2, 1, 0]);
-        assert!(!pool.recycle(1, &d.path().join("block4")), "no such root");
+        assert_eq!(pool.bytes(), 0, "taken spares leave the budget");
+        assert!(!pool.reserve(1, 100), "no such root");
+        assert!(pool.reserve(0, 100));
+        pool.unreserve(100);
+        assert_eq!(pool.bytes(), 0);
         let off = SparePool::new(std::slice::from_ref(&spares), 0, len);
-        assert!(!off.recycle(0, &d.path().join("block4")), "pool disabled");
+        assert!(!off.reserve(0, 100), "pool disabled");
     }
 
     #[test]
