@@ -72,7 +72,8 @@ class UcmConnectorConfig:
     exactly one entry. Defaults to ``UcmPipelineStore`` with ``Cache|Posix`` (``Posix`` when
     the build has no Cache stage) under ``~/.cache/ucm/kv``."""
     use_layerwise: bool = False
-    """Load layer l+1 while layer l computes, and save per layer (else whole-step)."""
+    """Load layer l+1 while layer l computes, and save per layer (else whole-step). A step
+    that computes less than one block loads whole-step: it has nothing to overlap with."""
     hash_algo: str = "blake3"
     """Block id algorithm: ``blake3``, ``xxh3_128`` or ``md5_ucm`` (original UCM ids)."""
     hash_salt: str = ""
