@@ -615,6 +615,40 @@ fn cache_memory_is_committed_at_start_up_unless_disabled() {
     lazy.close().unwrap();
 }
 
+/// The start-up commit of the cache's memory waits while a load is in
+/// flight: each commit call holds the process's memory map, which the load
+/// needs too. It resumes once the load is done.
+#[test]
+fn the_start_up_commit_waits_while_a_load_is_in_flight() {
+    let slots = 16 * 1024;
+    let area = slots * SHARD;
+    let (cache, be) = mem_cache(cfg(slots));
+    dump(be.as_ref(), 1).unwrap();
+    be.delay_ms.store(1500, Ordering::SeqCst);
+    std::thread::scope(|s| {
+        let loading = s.spawn(|| load(&cache, 1));
+        std::thread::sleep(Duration::from_millis(200));
+        let before = cache.resident_data_bytes().unwrap();
+        std::thread::sleep(Duration::from_millis(800));
+        let after = cache.resident_data_bytes().unwrap();
+        assert!(
+            before < area,
+            "all {area} bytes committed before the load began"
+        );
+        // At most the one huge page in progress when the load began.
+        assert!(
+            after - before <= 2 << 20,
+            "{} bytes committed during the load",
+            after - before
+        );
+        loading.join().unwrap().unwrap();
+    });
+    until("the data area committed", || {
+        cache.resident_data_bytes().unwrap() >= area
+    });
+    cache.close().unwrap();
+}
+
 /// A load the cache does not keep (here `write_allocate`) reads a local
 /// backend straight into the caller's memory: the right bytes, counted as
 /// backend reads, nothing cached; an absent block fails and is counted.

@@ -81,7 +81,7 @@ impl Inner {
     ) -> TaskId {
         let n = shards.len();
         let task = self.tasks.create("dump", n);
-        let ctx = TaskCtx::new(task.clone(), n, false);
+        let ctx = TaskCtx::new(task.clone(), n, false, &self.in_flight);
         add(&self.c.dump_shards, n as u64);
         let (mut stage, mut bypass) = (vec![], vec![]);
         for p in self.plan_dump(shards) {

@@ -71,7 +71,7 @@ impl Inner {
     pub(super) fn load(self: &Arc<Self>, rt: &Runtime, shards: Vec<ShardIo>) -> TaskId {
         let n = shards.len();
         let task = self.tasks.create("load", n);
-        let ctx = TaskCtx::new(task.clone(), n, true);
+        let ctx = TaskCtx::new(task.clone(), n, true, &self.in_flight);
         add(&self.c.load_shards, n as u64);
         let (plans, wanted) = self.plan_load(shards);
         self.lazy_want(wanted);

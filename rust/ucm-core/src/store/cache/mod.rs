@@ -96,21 +96,52 @@ const COPY_JOB_BYTES: usize = 4 << 20;
 /// How often the write-back thread reaps dead participants (shared mode).
 const HOUSEKEEPING: Duration = Duration::from_secs(1);
 
-/// Per-task completion bookkeeping (latency of loads).
+/// Loads and dumps whose jobs are queued or running. Background work that
+/// competes with them for the process's memory map (the start-up commit of
+/// the cache's memory) waits while any is in flight.
+#[derive(Default)]
+struct InFlight(AtomicUsize);
+
+impl InFlight {
+    fn any(&self) -> bool {
+        self.0.load(Ordering::Acquire) > 0
+    }
+}
+
+/// Counts one task in [`InFlight`] until dropped.
+struct InFlightGuard(Arc<InFlight>);
+
+impl InFlightGuard {
+    fn new(count: &Arc<InFlight>) -> Self {
+        count.0.fetch_add(1, Ordering::AcqRel);
+        InFlightGuard(count.clone())
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Per-task completion bookkeeping (latency of loads). Its jobs share it,
+/// so it lives, and counts as in flight, until the last of them ends.
 struct TaskCtx {
     task: Arc<Task>,
     start: Instant,
     remaining: AtomicUsize,
     is_load: bool,
+    _in_flight: InFlightGuard,
 }
 
 impl TaskCtx {
-    fn new(task: Arc<Task>, units: usize, is_load: bool) -> Arc<Self> {
+    fn new(task: Arc<Task>, units: usize, is_load: bool, in_flight: &Arc<InFlight>) -> Arc<Self> {
         Arc::new(TaskCtx {
             task,
             start: Instant::now(),
             remaining: AtomicUsize::new(units),
             is_load,
+            _in_flight: InFlightGuard::new(in_flight),
         })
     }
 
@@ -142,6 +173,7 @@ struct Inner {
     tasks: TaskRegistry,
     c: Counters,
     wb: Arc<WriteBack>,
+    in_flight: Arc<InFlight>,
     shard_count: usize,
 }
 
@@ -197,6 +229,7 @@ impl CacheStore {
             backend,
             c: Counters::default(),
             wb: Arc::default(),
+            in_flight: Arc::default(),
             cfg,
         });
         if inner.transfers() {
@@ -267,21 +300,7 @@ impl CacheStore {
     /// see what start-up committed.
     pub fn resident_data_bytes(&self) -> Result<usize> {
         let (base, len) = self.inner.table.data_area();
-        let page = 4096usize;
-        let start = base as usize & !(page - 1);
-        let span = base as usize + len - start;
-        let mut vec = vec![0u8; span.div_ceil(page)];
-        // SAFETY: the range lies inside the cache's live mapping and `vec`
-        // has one byte per page of it.
-        let rc = unsafe { libc::mincore(start as *mut libc::c_void, span, vec.as_mut_ptr()) };
-        if rc != 0 {
-            return Err(UcmError::os(
-                "mincore",
-                "cache data area",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(vec.iter().filter(|b| *b & 1 == 1).count() * page)
+        region::resident_bytes(base, len)
     }
 
     /// Whether every shard of `id` is in the cache (ready), without asking

@@ -189,6 +189,27 @@ impl ShmObject {
     }
 }
 
+/// Bytes of the pages spanning `[addr, addr + len)` that are backed by
+/// memory right now (`mincore`). Reads only the page tables: a range that
+/// is not mapped is an error, never a memory access.
+pub fn resident_bytes(addr: *const u8, len: usize) -> Result<usize> {
+    let page = 4096usize;
+    let start = addr as usize & !(page - 1);
+    let span = addr as usize + len - start;
+    let mut vec = vec![0u8; span.div_ceil(page)];
+    // SAFETY: mincore writes one byte per page of the range into `vec`,
+    // which is that long, and touches no other memory.
+    let rc = unsafe { libc::mincore(start as *mut libc::c_void, span, vec.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(UcmError::os(
+            "mincore",
+            "cache memory",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(vec.iter().filter(|b| *b & 1 == 1).count() * page)
+}
+
 /// Size of the object behind `fd`.
 pub fn fd_size(fd: RawFd) -> Result<usize> {
     // SAFETY: `st` is plain data fully written by fstat on success.
