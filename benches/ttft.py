@@ -35,10 +35,23 @@ other load on a shared machine disturbs much less than wall time). Prefill
 is chunked (``--chunk`` tokens per step), so saves of a chunk overlap the
 compute of the next.
 
+With ``--lmcache-path DIR`` (a directory LMCache is installed in, see
+``benches/lmcache_engine.py``), LMCache is measured on the same prompts:
+one engine with LMCache's connector serves each prompt (LMCache stores it);
+then, ``--repeat`` times, a fresh LMCache server (empty memory tier) and a
+fresh engine serve it again, its KV bytes coming from LMCache's file tier with
+the files in the page cache: ``LMCache mem``, the counterpart of ``UCM mem``.
+LMCache has no per-request switch to load nothing, so its ratio is taken
+against the ``vLLM hit`` of the engine without a connector (printed, with
+UCM's against the same, on a line of its own per prompt). A load that
+LMCache did not serve (fewer cached tokens than ``UCM mem`` needs) is
+printed as such, not as a load.
+
 Run (a few minutes; not part of CI)::
 
     .venv/bin/python benches/ttft.py [--lengths 2048 4096 8192] [--modes layerwise wholestep]
         [--pipelines Cache|Posix Posix] [--io-direct] [--no-disk] [--repeat 2]
+        [--lmcache-path DIR]
 
 Loads are measured in both modes, each in ``--repeat`` fresh engines (best
 kept); recompute and miss on ``--overhead-repeat`` prompts (up to 4k tokens).
@@ -59,7 +72,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ucm.testing.harness import EngineProcess, engine_env
+from lmcache_engine import LMCacheServer, LMCacheSpawner, lmcache_import_error
+from ucm.testing.harness import EngineProcess, EngineSpawner, engine_env
 from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,6 +190,97 @@ def vllm_own_hit(e: EngineProcess, prompt: list[int], tries: int = 2) -> tuple[f
     return best_t, cached
 
 
+def lmcache_cells(r: dict[str, float]) -> str:
+    """The LMCache columns of a prompt's first table row."""
+    if "lmcache_mem" in r:
+        t = r["lmcache_mem"]
+        return f"| {t:.3f}s | {t / r['vllm_hit_plain']:.2f} |"
+    if "lmcache_cached" in r:
+        return f"| no load ({r['lmcache_cached']:.0f} tokens cached) | — |"
+    return "| — | — |"
+
+
+def lmcache_loads(
+    args: argparse.Namespace,
+    work: Path,
+    env: dict[str, str],
+    engine: Callable[..., EngineProcess],
+    prompts: dict[int, list[list[int]]],
+    res: dict[int, dict[str, float]],
+) -> str:
+    """Measures LMCache's loads of prompt 0 of each length into ``res``
+    (``lmcache_mem``, ``lmcache_cached``, ``lmcache_hit``); returns a line
+    that says what was measured, or why not."""
+    if args.lmcache_path is None:
+        return "LMCache: not available (pass --lmcache-path)"
+    error = lmcache_import_error(args.lmcache_path, env)
+    if error is not None:
+        return f"LMCache: not available from {args.lmcache_path}: {error}"
+    chunk = args.lmcache_chunk
+    disk = work / "lmcache-l2"
+    logs = work / "logs"
+    spawner = LMCacheSpawner(args.lmcache_path, env)
+    # Room in memory for every prompt and the warm-up, twice over.
+    l1_gib = 1 + 2 * sum(args.lengths) * KV_BYTES_PER_TOKEN / 2**30
+
+    def server(name: str) -> LMCacheServer:
+        return LMCacheServer(
+            args.lmcache_path, env, disk, chunk, l1_gib, logs / f"{name}.log", l2=args.lmcache_l2
+        )
+
+    # One engine serves each prompt (LMCache misses and stores it); its
+    # server has written every chunk to the file tier before it stops.
+    s = server("lmcache-server-save")
+    try:
+        saver = engine("lmcache-save", None, (s, spawner))
+        for n in args.lengths:
+            t, cached = saver.ttft(prompts[n][0])
+            assert cached == 0, ("LMCache save", n, cached)
+            print(f"{n}: LMCache miss {t:.2f}s", flush=True)
+        saver.close()
+        want = sum(n // chunk for n in args.lengths)
+        have = s.wait_for_files(want)
+        assert have >= want, ("LMCache file tier", have, want)
+    finally:
+        s.close()
+    os.sync()
+
+    # A fresh server (nothing in its memory tier) and a fresh engine per
+    # repeat: the KV bytes come from the files, which are in the page cache.
+    for rep in range(args.repeat):
+        s = server(f"lmcache-server-{rep}")
+        try:
+            e = engine(f"lmcache-mem-{rep}", None, (s, spawner))
+            for n in args.lengths:
+                p = prompts[n][0]
+                t, cached = e.ttft(p)
+                res[n]["lmcache_cached"] = min(res[n].get("lmcache_cached", n), cached)
+                if cached < n - BLOCK:
+                    print(f"{n}: LMCache did not load ({cached} tokens cached)", flush=True)
+                    continue
+                again = min(e.ttft(p)[0] for _ in range(2))
+                res[n]["lmcache_mem"] = min(res[n].get("lmcache_mem", float("inf")), t)
+                res[n]["lmcache_hit"] = min(res[n].get("lmcache_hit", float("inf")), again)
+                print(
+                    f"{n}: LMCache mem {t:.3f}s ({cached} tokens), hit+LMCache {again:.3f}s",
+                    flush=True,
+                )
+            e.close()
+        finally:
+            s.close()
+    for n in args.lengths:
+        # A load that failed in any fresh engine is not reported as a load.
+        if res[n].get("lmcache_cached", 0) < n - BLOCK:
+            res[n].pop("lmcache_mem", None)
+            res[n].pop("lmcache_hit", None)
+    return (
+        f"LMCache: multi-process server, {chunk}-token chunks, file tier ({args.lmcache_l2}) "
+        "in the page cache, "
+        f"fresh server and engine per load, best of {args.repeat}; its x vLLM hit is against "
+        "the engine without a connector (LMCache cannot be told to load nothing for a request)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -200,7 +305,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk size)"
     )
+    ap.add_argument(
+        "--lmcache-path",
+        type=Path,
+        default=None,
+        help="directory LMCache is installed in: adds LMCache's loads (see lmcache_engine.py)",
+    )
+    ap.add_argument(
+        "--lmcache-chunk", type=int, default=256, help="LMCache's tokens per chunk (its default)"
+    )
+    ap.add_argument(
+        "--lmcache-l2",
+        choices=("fs", "fs_native"),
+        default="fs_native",
+        help="LMCache's file tier: its C++ one (fs_native) or its Python one (fs)",
+    )
     args = ap.parse_args(argv)
+    assert args.lmcache_chunk % BLOCK == 0, "LMCache chunks must be whole vLLM blocks"
 
     t0 = time.time()
     model = make_tiny_llama(args.model_dir, BENCH_SPEC)
@@ -247,12 +368,22 @@ def main(argv: list[str] | None = None) -> int:
     warmup = _tokens(rng, 8 * BLOCK)
     env = engine_env()
 
-    def engine(name: str, ucm: dict[str, Any] | None) -> EngineProcess:
+    def engine(
+        name: str,
+        ucm: dict[str, Any] | None,
+        lmcache: tuple[LMCacheServer, EngineSpawner] | None = None,
+    ) -> EngineProcess:
         t = time.time()
         cfg: dict[str, Any] = {"model": str(model), "llm": llm}
         if ucm is not None:
             cfg["ucm"] = ucm
-        e = EngineProcess(cfg, logs / f"{name}.log", env=env, cwd=work)
+        spawner = None
+        if lmcache is not None:
+            server, spawner = lmcache
+            # The harness's connector is UCM's; another one goes through
+            # vLLM's own kv_transfer_config argument.
+            cfg["llm"] = {**llm, "kv_transfer_config": server.kv_transfer_config()}
+        e = EngineProcess(cfg, logs / f"{name}.log", env=env, cwd=work, forker=spawner)
         # Warm-up: first-call costs (and, from the second connector engine
         # on, the load path) off the measurements; then let start-up
         # background work (store scans, spare files, the warm-up's saves) end.
@@ -338,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                     load_m[f"{pipe}/{where}_{mode}"] = e.metrics()
                     e.close()
 
+    lmc_note = lmcache_loads(args, work, env, engine, prompts, res)
+
     print()
     print(
         f"raw O_DIRECT read {raw:.2f} GB/s, page-cache read {pc:.2f} GB/s, memcpy {mc:.2f} GB/s, "
@@ -354,9 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         "| prompt | recompute | UCM miss overhead: wall, CPU | vLLM hit | one token | floor "
         "| pc floor "
         "| pipeline | mode | UCM mem | its vLLM hit | x hit | x floor | UCM disk | disk - hit "
-        "| KV bytes / raw BW |"
+        "| KV bytes / raw BW | LMCache mem | LMCache x vLLM hit |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 18)
     for n in args.lengths:
         r = res[n]
         nbytes = (n // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
@@ -369,13 +502,14 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 mem, mem_hit = r[f"{pipe}/mem_{mode}"], r[f"{pipe}/mem_{mode}_hit"]
                 if args.no_disk:
-                    disk_cells = "| — | — | — |"
+                    disk_cells = "| — | — | — "
                 else:
                     disk, disk_hit = r[f"{pipe}/disk_{mode}"], r[f"{pipe}/disk_{mode}_hit"]
                     above = disk - disk_hit
                     disk_cells = (
-                        f"| {disk:.3f}s | {above:.3f}s | {bound:.3f}s ({nbytes / 2**20:.0f} MiB) |"
+                        f"| {disk:.3f}s | {above:.3f}s | {bound:.3f}s ({nbytes / 2**20:.0f} MiB) "
                     )
+                lmc = "| | |" if not first else lmcache_cells(r)
                 head = (
                     f"| {n} | {r['recompute']:.2f}s | "
                     f"{(r['ucm_miss'] / r['recompute'] - 1) * 100:+.1f}%, "
@@ -389,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                 cell = pipe.replace("|", "\\|")  # a table cell
                 print(
                     f"{head} | {cell} | {mode} | {mem:.3f}s | {mem_hit:.3f}s | {mem / mem_hit:.2f} "
-                    f"| {mem / floor:.2f} {disk_cells}"
+                    f"| {mem / floor:.2f} {disk_cells}{lmc}"
                 )
     print()
     print(
@@ -398,6 +532,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     for key, m in load_m.items():
         print(f"{key}: last loads at {m.get('ucm_load_speed_gbps', 0):.2f} GB/s")
+    print(lmc_note)
+    if any("lmcache_mem" in res[n] for n in args.lengths):
+        for n in args.lengths:
+            r = res[n]
+            if "lmcache_mem" not in r:
+                continue
+            # The first pipeline in its first mode is what a user runs by
+            # default (Cache|Posix, whole-step): that is the comparison.
+            first = f"{args.pipelines[0]}/mem_{modes[0]}"
+            ucm = r[first]
+            print(
+                f"{n}: against the vLLM hit of the engine without a connector "
+                f"({r['vllm_hit_plain']:.3f}s): LMCache mem {r['lmcache_mem']:.3f}s "
+                f"= {r['lmcache_mem'] / r['vllm_hit_plain']:.2f} x, UCM {first} "
+                f"{ucm:.3f}s = {ucm / r['vllm_hit_plain']:.2f} x, "
+                f"UCM / LMCache {ucm / r['lmcache_mem']:.2f}"
+            )
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -407,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                     "memcpy_gbps": mc,
                     "modes": modes,
                     "pipelines": args.pipelines,
+                    "lmcache": lmc_note,
                     "results": res,
                 }
             )
