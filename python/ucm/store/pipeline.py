@@ -132,13 +132,7 @@ class UcmPipelineStore(UcmKVStoreBase):
         shard_index: Sequence[int],
         tensors: Sequence[Sequence[Any]] | Regions,
     ) -> Task:
-        if isinstance(tensors, Regions):
-            return self._regions(self._native.load_addrs, block_ids, shard_index, tensors, True)
-        ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=True)
-        tid = self._native.load_segs(
-            block_ids, list(shard_index), ptrs, lens, offsets, owner=tensors
-        )
-        return Task(tid)
+        return self._transfer(block_ids, shard_index, tensors, load=True)
 
     def dump(
         self,
@@ -146,12 +140,22 @@ class UcmPipelineStore(UcmKVStoreBase):
         shard_index: Sequence[int],
         tensors: Sequence[Sequence[Any]] | Regions,
     ) -> Task:
+        return self._transfer(block_ids, shard_index, tensors, load=False)
+
+    def _transfer(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        tensors: Sequence[Sequence[Any]] | Regions,
+        load: bool,
+    ) -> Task:
+        """A load (into ``tensors``, which must be writable) or a dump."""
         if isinstance(tensors, Regions):
-            return self._regions(self._native.dump_addrs, block_ids, shard_index, tensors, False)
-        ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=False)
-        tid = self._native.dump_segs(
-            block_ids, list(shard_index), ptrs, lens, offsets, owner=tensors
-        )
+            submit = self._native.load_addrs if load else self._native.dump_addrs
+            return self._regions(submit, block_ids, shard_index, tensors, load)
+        ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=load)
+        segs = self._native.load_segs if load else self._native.dump_segs
+        tid = segs(block_ids, list(shard_index), ptrs, lens, offsets, owner=tensors)
         return Task(tid)
 
     def _regions(

@@ -431,10 +431,7 @@ impl PyStore {
     ) -> PyResult<u64> {
         self.usable()?;
         let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?;
-        let store = self.store.clone();
-        let task = py.detach(move || store.load(shards)).py_err()?;
-        self.hold(task, owner);
-        Ok(task)
+        self.submit(py, shards, None, owner)
     }
 
     /// Starts a dump from addresses (see `load_addrs`).
@@ -453,12 +450,7 @@ impl PyStore {
     ) -> PyResult<u64> {
         self.usable()?;
         let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?;
-        let store = self.store.clone();
-        let task = py
-            .detach(move || store.dump(shards, prerequisite_handle))
-            .py_err()?;
-        self.hold(task, owner);
-        Ok(task)
+        self.submit(py, shards, Some(prerequisite_handle), owner)
     }
 
     /// Starts a load into per-shard segment lists given in CSR form, taken
@@ -478,10 +470,7 @@ impl PyStore {
     ) -> PyResult<u64> {
         self.usable()?;
         let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
-        let store = self.store.clone();
-        let task = py.detach(move || store.load(shards)).py_err()?;
-        self.hold(task, owner);
-        Ok(task)
+        self.submit(py, shards, None, owner)
     }
 
     /// Starts a dump from per-shard segment lists given in CSR form (see
@@ -501,12 +490,7 @@ impl PyStore {
     ) -> PyResult<u64> {
         self.usable()?;
         let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
-        let store = self.store.clone();
-        let task = py
-            .detach(move || store.dump(shards, prerequisite_handle))
-            .py_err()?;
-        self.hold(task, owner);
-        Ok(task)
+        self.submit(py, shards, Some(prerequisite_handle), owner)
     }
 
     /// Blocks (without the GIL) until the task finishes; raises on failure.
@@ -590,6 +574,27 @@ fn seg_shards(
 }
 
 impl PyStore {
+    /// Starts a load of `shards` (`dump_after` None) or a dump of them
+    /// once that prerequisite event fired, without the GIL; keeps `owner`
+    /// alive until the task finished.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        shards: Vec<ShardIo>,
+        dump_after: Option<u64>,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let store = self.store.clone();
+        let task = py
+            .detach(move || match dump_after {
+                None => store.load(shards),
+                Some(prerequisite) => store.dump(shards, prerequisite),
+            })
+            .py_err()?;
+        self.hold(task, owner);
+        Ok(task)
+    }
+
     fn addr_shards(
         &self,
         block_ids: &Bound<'_, PyAny>,
