@@ -106,7 +106,7 @@ pub const KEYS: &[Key] = &[
         "cache_prefault",
         Kind::Bool,
         Dflt::Is("true"),
-        "Commit the cache's memory in the background, 1 GiB ahead of the slots in use and never while a load or dump runs, so dumps pay no first-touch page faults (false: committed as used).",
+        "Commit the first GiB of the cache's memory in the background from start-up, never while a load or dump runs, so early dumps pay no first-touch page faults (false: committed as used).",
     ),
     Key::new(
         "unique_id",
