@@ -692,11 +692,6 @@ fn a_cold_load_over_posix_reads_into_the_caller_and_fills_the_cache_from_there()
         dump(posix.as_ref(), n).unwrap();
     }
     let cache = CacheStore::open(cfg(64), posix).unwrap();
-    // Slots are filled from the caller only where their memory is
-    // committed (the start-up commit, here of the whole area).
-    until("the data area committed", || {
-        cache.resident_data_bytes().unwrap() >= 64 * SHARD
-    });
     for n in 0..4 {
         load(&cache, n).unwrap();
         assert!(cache.cached(&id(n)).unwrap());
@@ -708,30 +703,6 @@ fn a_cold_load_over_posix_reads_into_the_caller_and_fills_the_cache_from_there()
     let s = cache.stats();
     assert_eq!(s["l1_hit_rate"], 0.5);
     assert_eq!(s["bytes_loaded_l2"], (4 * SHARDS * SHARD) as f64);
-    cache.close().unwrap();
-}
-
-/// Without the start-up commit, a cold load over a local backend leaves
-/// slots whose memory was never touched empty instead of faulting them in
-/// inside the load; the caller still gets its bytes.
-#[test]
-fn a_cold_load_does_not_fill_slots_whose_memory_is_not_committed() {
-    let dir = tempfile::tempdir().unwrap();
-    let posix = Arc::new(PosixStore::open(posix_cfg(dir.path())).unwrap());
-    dump(posix.as_ref(), 1).unwrap();
-    let cache = CacheStore::open(
-        CacheConfig {
-            prefault: false,
-            ..cfg(64)
-        },
-        posix,
-    )
-    .unwrap();
-    load(&cache, 1).unwrap();
-    assert!(!cache.cached(&id(1)).unwrap());
-    assert_eq!(cache.stats()["fills_after_load"], 0.0);
-    assert_eq!(cache.resident_data_bytes().unwrap(), 0);
-    load(&cache, 1).unwrap();
     cache.close().unwrap();
 }
 

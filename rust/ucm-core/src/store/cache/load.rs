@@ -318,25 +318,14 @@ impl Inner {
 
     /// Copies the bytes just loaded into the caller's memory into their
     /// slots, which become ready, and finishes those shards of the load.
-    /// Slots whose memory is not committed yet are left empty.
     fn fill_from_caller(&self, ctx: &TaskCtx, items: Fills) {
         let (mut filled, mut failed) = (Vec::new(), Vec::new());
         for (s, slot) in &items {
-            let at = self.table.data(*slot);
-            // Memory never touched would cost a page fault per page inside
-            // the load; where committing memory is slow (3.7 s for a 512 MiB
-            // load in this VM) that dwarfs the load. Such a slot stays empty.
-            let committed = super::region::resident_bytes(at, self.cfg.shard_size)
-                .is_ok_and(|n| n >= self.cfg.shard_size);
-            if !committed {
-                failed.push(*slot);
-                continue;
-            }
             // SAFETY: the slot is FILLING and pinned by this load, so no one
             // else reads or writes it and it holds shard_size bytes; the
             // caller's segments hold the shard's bytes and stay valid until
             // the task completes, which is after this copy.
-            let r = unsafe { self.transport.copy_in(at, &s.segs, 0) };
+            let r = unsafe { self.transport.copy_in(self.table.data(*slot), &s.segs, 0) };
             if r.is_ok() {
                 filled.push(*slot)
             } else {
