@@ -109,11 +109,9 @@ impl Inner {
             let unwritten = self.wb.dirty_among(direct.iter().map(|(s, _)| &s.block));
             let (me, ctx2) = (self.clone(), ctx.clone());
             let n = direct.len();
-            // The slot copies go to the backend threads too, never to the
-            // copy threads: those may be waiting for these very slots.
-            let pool = rt.waits.sender();
+            let fill_pool = rt.fills.sender();
             self.spawn_or_fail(&rt.waits, &ctx, n, move || {
-                me.direct_fill(&ctx2, direct, unwritten, pool)
+                me.direct_fill(&ctx2, direct, unwritten, fill_pool)
             });
         }
         if !fills.is_empty() {
@@ -258,9 +256,10 @@ impl Inner {
     /// never touched: filling it inside the load costs a page fault per
     /// page and a second copy, which made a cold load through the cache
     /// about half as fast as the backend alone. When the backend reads
-    /// locally, the caller's bytes come straight from it and the slots are
-    /// filled from the caller's memory. Device memory, and backends where a
-    /// read is a remote request, keep the read-then-copy path.
+    /// locally, the caller's bytes come straight from it and the slot is
+    /// filled afterwards, off the load's critical path. Device memory, and
+    /// backends where a second read is a second remote request, keep the
+    /// read-then-copy path.
     fn split_direct_fills(&self, fills: Fills) -> (Fills, Fills) {
         if fills.is_empty() || !self.backend.reads_are_local() {
             return (Vec::new(), fills);
@@ -270,74 +269,51 @@ impl Inner {
             .partition(|(s, _)| self.transport.is_host(&s.segs))
     }
 
-    /// Reads `fills` from the backend into the caller's memory, then copies
-    /// those bytes into their (FILLING, pinned) slots in jobs on `pool`,
-    /// which finish the shards. Loads of these shards meanwhile wait for
-    /// the slot as for any fill.
-    ///
-    /// The slots are filled before the task completes, from memory the
-    /// caller must keep until then, and by a memory copy: a second read of
-    /// the backend after the task (as this once did, at low priority) ran
-    /// while the engine computed the request's first token, and made a
-    /// fresh engine's first load 50 to 100 ms slower than the backend's.
+    /// Reads `fills` from the backend into the caller's memory and finishes
+    /// them; then queues the read of the same shards into their (still
+    /// FILLING, pinned) slots on the low-priority fill pool. Loads of these
+    /// shards meanwhile wait for the slot as for any fill. The second read
+    /// never touches caller memory, which may be gone once its task has
+    /// finished.
     pub(super) fn direct_fill(
         self: &Arc<Self>,
-        ctx: &Arc<TaskCtx>,
+        ctx: &TaskCtx,
         fills: Fills,
         unwritten: Vec<BlockId>,
-        pool: Option<PoolSender>,
+        fill_pool: Option<PoolSender>,
     ) {
         if !unwritten.is_empty() {
             self.wb.settle(&unwritten, self.deadline(ctx));
         }
         let caller: Vec<ShardIo> = fills.iter().map(|(s, _)| s.clone()).collect();
-        let res = self.backend.load(caller).and_then(|t| self.backend.wait(t));
-        self.count_backend_loads(fills.len(), &res);
-        if let Err(e) = res {
-            self.end_fills(fills.iter().map(|(_, slot)| *slot), false);
-            for _ in &fills {
-                ctx.done(&self.c, Err(e.clone()));
-            }
-            return;
-        }
-        for job in self.copy_jobs(fills) {
-            let slots: Vec<u32> = job.iter().map(|(_, slot)| *slot).collect();
-            let (me, ctx2) = (self.clone(), ctx.clone());
-            let queued = pool
-                .as_ref()
-                .is_some_and(|p| p.spawn(move || me.fill_from_caller(&ctx2, job)));
-            if !queued {
-                // Shutting down: the caller has its bytes; the slots do not.
-                self.end_fills(slots.iter().copied(), false);
-                for _ in &slots {
-                    ctx.done(&self.c, Ok(()));
-                }
-            }
+        let slots: Vec<(BlockId, usize, u32)> = fills
+            .iter()
+            .map(|(s, slot)| (s.block, s.index, *slot))
+            .collect();
+        drop(fills);
+        let res = self.read_into_caller(ctx, caller);
+        let ends: Vec<u32> = slots.iter().map(|&(_, _, slot)| slot).collect();
+        let me = self.clone();
+        let queued =
+            res.is_ok() && fill_pool.is_some_and(|p| p.spawn(move || me.fill_slots(slots)));
+        if !queued {
+            self.end_fills(ends, false);
         }
     }
 
-    /// Copies the bytes just loaded into the caller's memory into their
-    /// slots, which become ready, and finishes those shards of the load.
-    fn fill_from_caller(&self, ctx: &TaskCtx, items: Fills) {
-        let (mut filled, mut failed) = (Vec::new(), Vec::new());
-        for (s, slot) in &items {
-            // SAFETY: the slot is FILLING and pinned by this load, so no one
-            // else reads or writes it and it holds shard_size bytes; the
-            // caller's segments hold the shard's bytes and stay valid until
-            // the task completes, which is after this copy.
-            let r = unsafe { self.transport.copy_in(self.table.data(*slot), &s.segs, 0) };
-            if r.is_ok() {
-                filled.push(*slot)
-            } else {
-                failed.push(*slot)
-            }
+    /// Reads shards into their slots, which then become ready (or leave
+    /// the index if the read failed).
+    fn fill_slots(&self, slots: Vec<(BlockId, usize, u32)>) {
+        let n = slots.len() as u64;
+        let shards = self.slot_shards(slots.iter().copied());
+        let filled = self
+            .backend
+            .load_in_background(shards)
+            .and_then(|t| self.backend.wait(t));
+        if filled.is_ok() {
+            add(&self.c.fills_after_load, n);
         }
-        add(&self.c.fills_after_load, filled.len() as u64);
-        self.end_fills(filled, true);
-        self.end_fills(failed, false);
-        for _ in &items {
-            ctx.done(&self.c, Ok(()));
-        }
+        self.end_fills(slots.iter().map(|&(_, _, slot)| slot), filled.is_ok());
     }
 
     /// Loads shards straight from the backend: into the caller's memory

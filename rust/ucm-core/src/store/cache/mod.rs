@@ -46,8 +46,7 @@
 //! # Threads
 //!
 //! Copy threads run hits, post-dump copies and waits on concurrent fills;
-//! backend threads wait on backend tasks (fills, bypasses) and copy what a
-//! load read straight into the caller's memory into its slots. The two pools
+//! backend threads wait on backend tasks (fills, bypasses). The two pools
 //! are separate so a copy thread waiting for a fill can never block the
 //! thread that completes it. One write-back thread drains the dirty map
 //! and, in shared mode, reaps dead participants and adopts their dirty
@@ -182,6 +181,9 @@ struct Runtime {
     prefault: Option<prefault::Prefault>,
     copy: WorkerPool,
     waits: WorkerPool,
+    /// Cache fills after loads that went straight to the caller, at low
+    /// CPU priority: they must not slow the engine computing meanwhile.
+    fills: WorkerPool,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -240,6 +242,7 @@ impl CacheStore {
         };
         let copy = WorkerPool::new("ucm-cache-copy", inner.cfg.copy_threads)?;
         let waits = WorkerPool::new("ucm-cache-wait", inner.cfg.backend_threads)?;
+        let fills = WorkerPool::background("ucm-cache-fill", 1)?;
         let wb_inner = inner.clone();
         let writer = std::thread::Builder::new()
             .name("ucm-cache-writeback".into())
@@ -261,6 +264,7 @@ impl CacheStore {
                 prefault,
                 copy,
                 waits,
+                fills,
                 writer: Some(writer),
             })),
             closed: AtomicBool::new(false),
@@ -530,6 +534,7 @@ impl Store for CacheStore {
         drop(rt.prefault.take());
         drop(rt.copy);
         drop(rt.waits);
+        drop(rt.fills);
         let flushed = if self.inner.transfers() {
             // Dirty slots of departed participants are written by us too.
             self.inner.housekeep();
