@@ -124,13 +124,11 @@ unsafe fn populate(base: *mut u8, len: usize, stop: &AtomicBool, busy: impl Fn()
         at += len;
     }
     let done = at.min(end) - start;
-    if done == len {
-        log::debug!(
-            "cache memory: {} MiB committed in {:.2} s",
-            done >> 20,
-            t0.elapsed().as_secs_f64()
-        );
-    }
+    log::debug!(
+        "cache memory: {} MiB committed in {:.2} s",
+        done >> 20,
+        t0.elapsed().as_secs_f64()
+    );
     done
 }
 
