@@ -690,7 +690,14 @@ fn a_cold_load_over_posix_reads_into_the_caller_then_fills_the_cache() {
     for n in 0..4 {
         dump(posix.as_ref(), n).unwrap();
     }
-    let cache = CacheStore::open(cfg(64), posix).unwrap();
+    let cache = CacheStore::open(
+        CacheConfig {
+            fill_policy: FillPolicy::ReadAllocate,
+            ..cfg(64)
+        },
+        posix,
+    )
+    .unwrap();
     for n in 0..4 {
         load(&cache, n).unwrap();
     }
@@ -704,6 +711,45 @@ fn a_cold_load_over_posix_reads_into_the_caller_then_fills_the_cache() {
     let s = cache.stats();
     assert_eq!(s["l1_hit_rate"], 0.5);
     assert_eq!(s["bytes_loaded_l2"], (4 * SHARDS * SHARD) as f64);
+    cache.close().unwrap();
+}
+
+/// Under the default reuse_allocate, the first load of a block a local
+/// backend reads into host memory keeps nothing (no second read, no slot
+/// touched); the second load keeps it, and the third is a hit. Blocks
+/// this process dumped stay cached as before.
+#[test]
+fn reuse_allocate_keeps_a_loaded_block_on_its_second_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let posix = Arc::new(PosixStore::open(posix_cfg(dir.path())).unwrap());
+    for n in 0..4 {
+        dump(posix.as_ref(), n).unwrap();
+    }
+    let cache = CacheStore::open(cfg(64), posix).unwrap();
+    assert_eq!(cache.config().fill_policy, FillPolicy::ReuseAllocate);
+    dump(&cache, 7).unwrap();
+    for n in 0..4 {
+        load(&cache, n).unwrap();
+        assert!(!cache.cached(&id(n)).unwrap());
+    }
+    let s = cache.stats();
+    assert_eq!(s["first_loads_not_kept"], (4 * SHARDS) as f64);
+    assert_eq!(s["fills"], 0.0);
+    assert_eq!(s["slots_used"], SHARDS as f64);
+    for n in 0..4 {
+        load(&cache, n).unwrap();
+    }
+    until("the fills after the second loads", || {
+        cache.stats()["fills_after_load"] == (4 * SHARDS) as f64
+    });
+    for n in [0, 1, 2, 3, 7] {
+        assert!(cache.cached(&id(n)).unwrap());
+        load(&cache, n).unwrap();
+    }
+    let s = cache.stats();
+    assert_eq!(s["first_loads_not_kept"], (4 * SHARDS) as f64);
+    assert_eq!(s["l1_hits"], (5 * SHARDS) as f64);
+    assert_eq!(s["bytes_loaded_l2"], (8 * SHARDS * SHARD) as f64);
     cache.close().unwrap();
 }
 

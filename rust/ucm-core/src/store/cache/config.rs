@@ -45,10 +45,12 @@ pub const KEYS: &[Key] = &[
     ),
     Key::new(
         "fill_policy",
-        Kind::Choice(&["read_allocate", "write_allocate", "no_allocate"]),
-        Dflt::Is("read_allocate"),
-        "What stays cached: read_allocate (load misses and dumps), write_allocate (dumps \
-         only) or no_allocate (nothing once the backend has it).",
+        Kind::Choice(&["reuse_allocate", "read_allocate", "write_allocate", "no_allocate"]),
+        Dflt::Is("reuse_allocate"),
+        "What stays cached: reuse_allocate (dumps, and load misses, except that a block a \
+         local backend reads straight into host memory stays only when loaded a second \
+         time), read_allocate (dumps and every load miss), write_allocate (dumps only) or \
+         no_allocate (nothing once the backend has it).",
     ),
     Key::new(
         "write_back_policy",
@@ -127,8 +129,12 @@ pub const KEYS: &[Key] = &[
 /// stays once the backend has a copy, and whether load misses are filled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum FillPolicy {
-    /// Load misses are filled into the cache; dumped blocks stay cached.
+    /// As `ReadAllocate`, except that a miss read straight from a local
+    /// backend into host memory is kept only on its block's second load
+    /// (see [`super::admission`]).
     #[default]
+    ReuseAllocate,
+    /// Load misses are filled into the cache; dumped blocks stay cached.
     ReadAllocate,
     /// Only dumped blocks stay cached; load misses go from the backend
     /// straight to the caller.
@@ -180,6 +186,7 @@ macro_rules! named_enum {
 }
 
 named_enum!(FillPolicy, "fill_policy",
+    FillPolicy::ReuseAllocate => "reuse_allocate",
     FillPolicy::ReadAllocate => "read_allocate",
     FillPolicy::WriteAllocate => "write_allocate",
     FillPolicy::NoAllocate => "no_allocate");
@@ -445,6 +452,7 @@ mod tests {
     #[test]
     fn names_round_trip_and_errors_name_the_key() {
         for p in [
+            FillPolicy::ReuseAllocate,
             FillPolicy::ReadAllocate,
             FillPolicy::WriteAllocate,
             FillPolicy::NoAllocate,

@@ -2,6 +2,7 @@
 //! concurrent fills waited for, misses filled from the backend in one
 //! request per task, bypasses through staging buffers.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +28,25 @@ pub(super) enum LoadPlan {
 
 impl Inner {
     pub(super) fn plan_load(&self, shards: Vec<ShardIo>) -> (Vec<LoadPlan>, Vec<BlockId>) {
-        let fill = self.cfg.fill_policy == FillPolicy::ReadAllocate;
+        let fill = matches!(
+            self.cfg.fill_policy,
+            FillPolicy::ReadAllocate | FillPolicy::ReuseAllocate
+        );
+        // Blocks this load would read straight into the caller for the first
+        // time: under reuse_allocate they are read like bypasses, not kept.
+        let first_loads = if self.cfg.fill_policy == FillPolicy::ReuseAllocate
+            && self.backend.reads_are_local()
+        {
+            self.seen_once.first_sightings(
+                shards
+                    .iter()
+                    .filter(|s| self.transport.is_host(&s.segs))
+                    .map(|s| s.block),
+            )
+        } else {
+            HashSet::new()
+        };
+        let mut first_load_shards = 0;
         let mut plans = Vec::with_capacity(shards.len());
         let mut wanted = Vec::new();
         let mut evictions = 0;
@@ -51,6 +70,9 @@ impl Inner {
                     } else {
                         plans.push(LoadPlan::Wait(s, slot));
                     }
+                } else if fill && first_loads.contains(&s.block) {
+                    first_load_shards += 1;
+                    plans.push(LoadPlan::Bypass(s));
                 } else if fill {
                     match g.alloc(&s.block, shard, &mut |_, m| wanted.push(BlockId(m.block))) {
                         Some(a) => {
@@ -65,6 +87,7 @@ impl Inner {
             }
         }
         add(&self.c.evictions, evictions);
+        add(&self.c.first_loads_not_kept, first_load_shards);
         (plans, wanted)
     }
 

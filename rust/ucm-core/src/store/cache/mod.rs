@@ -23,7 +23,9 @@
 //! backend in one `load` aimed at the slots, then are copied out. When
 //! `fill_policy` says not to keep load misses, or no slot can be taken
 //! (every slot pinned or dirty), the shard is loaded into a staging buffer
-//! instead (**bypass**). A miss of a block that still has dirty shards here
+//! instead (**bypass**). Under the default `reuse_allocate`, a block that a
+//! local backend would read straight into host memory is a bypass on its
+//! first load and kept on its second (see [`admission`]). A miss of a block that still has dirty shards here
 //! first has that block written back (read-your-writes: a dump that found
 //! slots for only part of a block wrote the rest through, and the backend
 //! publishes the block only once the cached part arrives). Lookups answer
@@ -52,6 +54,7 @@
 //! and, in shared mode, reaps dead participants and adopts their dirty
 //! slots once a second.
 
+mod admission;
 mod config;
 mod dump;
 mod load;
@@ -174,6 +177,8 @@ struct Inner {
     c: Counters,
     wb: Arc<WriteBack>,
     in_flight: Arc<InFlight>,
+    /// Blocks loaded once, for `reuse_allocate`.
+    seen_once: admission::SeenOnce,
     shard_count: usize,
 }
 
@@ -210,6 +215,7 @@ impl CacheStore {
             cfg.block_size,
             cfg.eviction_policy,
         );
+        let geo_slots = geo.n_slots;
         let table = if cfg.share_buffer_enable {
             Table::shared(&cfg.unique_id, geo)?
         } else {
@@ -230,6 +236,7 @@ impl CacheStore {
             c: Counters::default(),
             wb: Arc::default(),
             in_flight: Arc::default(),
+            seen_once: admission::SeenOnce::new(geo_slots),
             cfg,
         });
         if inner.transfers() {
