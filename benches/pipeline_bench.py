@@ -114,7 +114,7 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
             secs, _ = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
             out.update(second_gbps=total / secs / 1e9)
             deadline = time.monotonic() + 60
-            while store.get_stats()["slots_used"] < n and time.monotonic() < deadline:
+            while store.get_stats()["fills_after_load"] < n and time.monotonic() < deadline:
                 time.sleep(0.05)
             dst.zero_()
             secs, hot_faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
