@@ -209,8 +209,8 @@ def test_prefetch_and_restart_after_flush(tmp_path: Path, open_store) -> None:
     store.flush()
     store.close()
     # A fresh pipeline over the same directory: the cache is empty, the
-    # backend has everything.
-    again = open_store("Posix")
+    # backend has everything. read_allocate: prefetches fill the tier.
+    again = open_store("Posix", fill_policy="read_allocate")
     assert again.lookup([bid(n) for n in range(6)]) == [True] * 6
     assert again.get_stats()["lookup_l2_hits"] == 6
     again.prefetch([bid(n) for n in range(6)] + [bid(99)])
@@ -223,6 +223,38 @@ def test_prefetch_and_restart_after_flush(tmp_path: Path, open_store) -> None:
     s = again.get_stats()
     assert s["l1_hit_rate"] == 1.0
     assert s["posix.blocks"] == 6
+
+
+def test_the_default_keeps_a_restarted_stores_blocks_from_their_second_load(
+    open_store,
+) -> None:
+    """reuse_allocate: a block read from the Posix files after a restart is
+    neither prefetched into the tier nor kept on its first load, only on its
+    second; the bytes are right every time."""
+    store = open_store("Posix", write_back_policy="lazy")
+    for n in range(4):
+        put(store, bid(n))
+    store.close()
+    again = open_store("Posix")
+    again.prefetch([bid(n) for n in range(4)])
+    time.sleep(0.5)
+    assert again.get_stats()["prefetch_shards"] == 0
+    for n in range(4):
+        get(again, bid(n))
+    s = again.get_stats()
+    assert s["first_loads_not_kept"] == 4 * SHARDS
+    assert s["slots_used"] == 0
+    for n in range(4):
+        get(again, bid(n))
+    deadline = time.monotonic() + 20
+    while again.get_stats()["fills_after_load"] < 4 * SHARDS:
+        assert time.monotonic() < deadline, again.get_stats()
+        time.sleep(0.01)
+    for n in range(4):
+        get(again, bid(n))
+    s = again.get_stats()
+    assert s["l1_hits"] == 4 * SHARDS
+    assert s["first_loads_not_kept"] == 4 * SHARDS
 
 
 def test_many_threads_overlapping_ids_under_eviction(open_store) -> None:

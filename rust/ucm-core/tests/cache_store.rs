@@ -717,7 +717,7 @@ fn a_cold_load_over_posix_reads_into_the_caller_then_fills_the_cache() {
 /// Under the default reuse_allocate, the first load of a block a local
 /// backend reads into host memory keeps nothing (no second read, no slot
 /// touched); the second load keeps it, and the third is a hit. Blocks
-/// this process dumped stay cached as before.
+/// this process dumped stay cached as before; a prefetch keeps nothing.
 #[test]
 fn reuse_allocate_keeps_a_loaded_block_on_its_second_load() {
     let dir = tempfile::tempdir().unwrap();
@@ -725,9 +725,15 @@ fn reuse_allocate_keeps_a_loaded_block_on_its_second_load() {
     for n in 0..4 {
         dump(posix.as_ref(), n).unwrap();
     }
+    dump(posix.as_ref(), 5).unwrap();
     let cache = CacheStore::open(cfg(64), posix).unwrap();
     assert_eq!(cache.config().fill_policy, FillPolicy::ReuseAllocate);
     dump(&cache, 7).unwrap();
+    // A prefetch fills no slot either: the hint goes to the backend.
+    cache.prefetch(&[id(5)]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!cache.cached(&id(5)).unwrap());
+    assert_eq!(cache.stats()["prefetch_shards"], 0.0);
     for n in 0..4 {
         load(&cache, n).unwrap();
         assert!(!cache.cached(&id(n)).unwrap());

@@ -1,8 +1,9 @@
 //! Prefetch: blocks about to be loaded are filled into the cache from the
-//! backend in the background.
+//! backend in the background (under `reuse_allocate` over a local backend,
+//! the hint goes to the backend instead).
 
 use super::stats::add;
-use super::Inner;
+use super::{FillPolicy, Inner};
 use crate::block::BlockId;
 
 impl Inner {
@@ -15,6 +16,17 @@ impl Inner {
             Err(_) => return,
         };
         if missing.is_empty() {
+            return;
+        }
+        if self.cfg.fill_policy == FillPolicy::ReuseAllocate && self.backend.reads_are_local() {
+            // Filling slots here is the second read and first touch of slot
+            // memory that reuse_allocate keeps away from a block's first
+            // load (the load reads straight into the caller); the backend's
+            // own hint (read-ahead into the page cache, for files) readies
+            // that read instead.
+            if let Err(e) = self.backend.prefetch(&missing) {
+                log::debug!("prefetch: backend hint failed: {e}");
+            }
             return;
         }
         let present = match self.backend.lookup(&missing) {
