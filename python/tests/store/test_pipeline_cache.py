@@ -83,6 +83,14 @@ def get(store: UcmKVStoreBase, bid: bytes) -> None:
         assert np.array_equal(out[s], content(bid, s)), f"block {bid.hex()} shard {s}"
 
 
+def wait_for_stat(store: UcmKVStoreBase, key: str, at_least: float) -> None:
+    """Waits (20 s at most) for background work to bring a stat to a value."""
+    deadline = time.monotonic() + 20
+    while store.get_stats()[key] < at_least:
+        assert time.monotonic() < deadline, store.get_stats()
+        time.sleep(0.01)
+
+
 def bid(n: int) -> bytes:
     return n.to_bytes(8, "little") + b"\xc3" * 8
 
@@ -214,10 +222,7 @@ def test_prefetch_and_restart_after_flush(tmp_path: Path, open_store) -> None:
     assert again.lookup([bid(n) for n in range(6)]) == [True] * 6
     assert again.get_stats()["lookup_l2_hits"] == 6
     again.prefetch([bid(n) for n in range(6)] + [bid(99)])
-    deadline = time.monotonic() + 20
-    while again.get_stats()["prefetch_shards"] < 6 * SHARDS:
-        assert time.monotonic() < deadline, again.get_stats()
-        time.sleep(0.01)
+    wait_for_stat(again, "prefetch_shards", 6 * SHARDS)
     for n in range(6):
         get(again, bid(n))
     s = again.get_stats()
@@ -246,10 +251,7 @@ def test_the_default_keeps_a_restarted_stores_blocks_from_their_second_load(
     assert s["slots_used"] == 0
     for n in range(4):
         get(again, bid(n))
-    deadline = time.monotonic() + 20
-    while again.get_stats()["fills_after_load"] < 4 * SHARDS:
-        assert time.monotonic() < deadline, again.get_stats()
-        time.sleep(0.01)
+    wait_for_stat(again, "fills_after_load", 4 * SHARDS)
     for n in range(4):
         get(again, bid(n))
     s = again.get_stats()

@@ -8,6 +8,12 @@ use std::hash::{BuildHasherDefault, Hasher};
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId(pub [u8; 16]);
 
+/// The id whose 16 bytes are all `n`: distinct ids for unit tests.
+#[cfg(test)]
+pub(crate) fn test_id(n: u8) -> BlockId {
+    BlockId([n; 16])
+}
+
 impl BlockId {
     /// Length of every id, in bytes.
     pub const LEN: usize = 16;

@@ -649,24 +649,36 @@ fn the_start_up_commit_waits_while_a_load_is_in_flight() {
     cache.close().unwrap();
 }
 
+/// A Posix store in `dir` holding blocks `blocks`.
+fn posix_holding(dir: &std::path::Path, blocks: &[u32]) -> Arc<PosixStore> {
+    let posix = Arc::new(PosixStore::open(posix_cfg(dir)).unwrap());
+    for &n in blocks {
+        dump(posix.as_ref(), n).unwrap();
+    }
+    posix
+}
+
+/// A 64-slot cache with `fill` over a Posix store in `dir` holding blocks
+/// 0 to 3.
+fn cache_over_posix(dir: &std::path::Path, fill: FillPolicy) -> CacheStore {
+    let posix = posix_holding(dir, &[0, 1, 2, 3]);
+    CacheStore::open(
+        CacheConfig {
+            fill_policy: fill,
+            ..cfg(64)
+        },
+        posix,
+    )
+    .unwrap()
+}
+
 /// A load the cache does not keep (here `write_allocate`) reads a local
 /// backend straight into the caller's memory: the right bytes, counted as
 /// backend reads, nothing cached; an absent block fails and is counted.
 #[test]
 fn a_bypassed_load_over_posix_reads_into_the_caller() {
     let dir = tempfile::tempdir().unwrap();
-    let posix = Arc::new(PosixStore::open(posix_cfg(dir.path())).unwrap());
-    for n in 0..4 {
-        dump(posix.as_ref(), n).unwrap();
-    }
-    let cache = CacheStore::open(
-        CacheConfig {
-            fill_policy: FillPolicy::WriteAllocate,
-            ..cfg(64)
-        },
-        posix,
-    )
-    .unwrap();
+    let cache = cache_over_posix(dir.path(), FillPolicy::WriteAllocate);
     for n in 0..4 {
         load(&cache, n).unwrap();
         assert!(!cache.cached(&id(n)).unwrap());
@@ -686,18 +698,7 @@ fn a_bypassed_load_over_posix_reads_into_the_caller() {
 #[test]
 fn a_cold_load_over_posix_reads_into_the_caller_then_fills_the_cache() {
     let dir = tempfile::tempdir().unwrap();
-    let posix = Arc::new(PosixStore::open(posix_cfg(dir.path())).unwrap());
-    for n in 0..4 {
-        dump(posix.as_ref(), n).unwrap();
-    }
-    let cache = CacheStore::open(
-        CacheConfig {
-            fill_policy: FillPolicy::ReadAllocate,
-            ..cfg(64)
-        },
-        posix,
-    )
-    .unwrap();
+    let cache = cache_over_posix(dir.path(), FillPolicy::ReadAllocate);
     for n in 0..4 {
         load(&cache, n).unwrap();
     }
@@ -721,11 +722,7 @@ fn a_cold_load_over_posix_reads_into_the_caller_then_fills_the_cache() {
 #[test]
 fn reuse_allocate_keeps_a_loaded_block_on_its_second_load() {
     let dir = tempfile::tempdir().unwrap();
-    let posix = Arc::new(PosixStore::open(posix_cfg(dir.path())).unwrap());
-    for n in 0..4 {
-        dump(posix.as_ref(), n).unwrap();
-    }
-    dump(posix.as_ref(), 5).unwrap();
+    let posix = posix_holding(dir.path(), &[0, 1, 2, 3, 5]);
     let cache = CacheStore::open(cfg(64), posix).unwrap();
     assert_eq!(cache.config().fill_policy, FillPolicy::ReuseAllocate);
     dump(&cache, 7).unwrap();

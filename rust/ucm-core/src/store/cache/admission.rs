@@ -69,9 +69,7 @@ impl SeenOnce {
 mod tests {
     use super::*;
 
-    fn id(n: u8) -> BlockId {
-        BlockId([n; 16])
-    }
+    use crate::block::test_id as id;
 
     #[test]
     fn a_block_is_a_first_sighting_once_per_window() {

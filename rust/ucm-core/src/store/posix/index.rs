@@ -205,9 +205,7 @@ impl Index {
 mod tests {
     use super::*;
 
-    fn id(n: u8) -> BlockId {
-        BlockId([n; 16])
-    }
+    use crate::block::test_id as id;
 
     #[test]
     fn touch_all_finds_the_present_blocks_and_makes_them_most_recent() {

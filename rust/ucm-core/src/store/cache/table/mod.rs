@@ -429,9 +429,7 @@ pub struct Allocated {
 mod tests {
     use super::*;
 
-    fn id(n: u8) -> BlockId {
-        BlockId([n; 16])
-    }
+    use crate::block::test_id as id;
 
     #[test]
     fn alloc_find_evict_and_pins() {
