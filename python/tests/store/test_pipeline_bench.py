@@ -35,6 +35,7 @@ def test_pipeline_bench_prints_every_ratio(tmp_path: Path) -> None:
         "cold load (page cache)",
         "dump until persisted",
         "dump until wait()",
+        "Cache|Posix second load",
         "Cache|Posix hot load",
     ):
         assert line in out, out
