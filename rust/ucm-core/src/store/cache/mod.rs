@@ -25,11 +25,12 @@
 //! (every slot pinned or dirty), the shard is loaded into a staging buffer
 //! instead (**bypass**). Under the default `reuse_allocate`, a block that a
 //! local backend would read straight into host memory is a bypass on its
-//! first load and kept on its second (see [`admission`]). A miss of a block that still has dirty shards here
-//! first has that block written back (read-your-writes: a dump that found
-//! slots for only part of a block wrote the rest through, and the backend
-//! publishes the block only once the cached part arrives). Lookups answer
-//! from the cache first and ask the backend only about the rest.
+//! first load and kept on its second (see [`admission`]). A miss of a block
+//! that still has dirty shards here first has that block written back
+//! (read-your-writes: a dump that found slots for only part of a block
+//! wrote the rest through, and the backend publishes the block only once
+//! the cached part arrives). Lookups answer from the cache first and ask
+//! the backend only about the rest.
 //!
 //! # Write path
 //!
