@@ -112,9 +112,13 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
             # the background. Hot: every block then sits in the Cache tier.
             dst.zero_()
             secs, _ = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+            if not torch.equal(src, dst):
+                raise SystemExit("second-loaded bytes differ")
             out.update(second_gbps=total / secs / 1e9)
             deadline = time.monotonic() + 60
-            while store.get_stats()["fills_after_load"] < n and time.monotonic() < deadline:
+            while store.get_stats()["fills_after_load"] < n:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the fills after the second load did not finish in 60 s")
                 time.sleep(0.05)
             dst.zero_()
             secs, hot_faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
