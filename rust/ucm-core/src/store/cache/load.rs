@@ -34,13 +34,11 @@ impl Inner {
         );
         // Blocks this load would read straight into the caller for the first
         // time: under reuse_allocate they are read like bypasses, not kept.
-        let first_loads = if self.cfg.fill_policy == FillPolicy::ReuseAllocate
-            && self.backend.reads_are_local()
-        {
+        let first_loads = if self.cfg.fill_policy == FillPolicy::ReuseAllocate {
             self.seen_once.first_sightings(
                 shards
                     .iter()
-                    .filter(|s| self.transport.is_host(&s.segs))
+                    .filter(|s| self.reads_into_caller(s))
                     .map(|s| s.block),
             )
         } else {
@@ -70,7 +68,7 @@ impl Inner {
                     } else {
                         plans.push(LoadPlan::Wait(s, slot));
                     }
-                } else if fill && first_loads.contains(&s.block) {
+                } else if first_loads.contains(&s.block) {
                     first_load_shards += 1;
                     plans.push(LoadPlan::Bypass(s));
                 } else if fill {
@@ -289,7 +287,13 @@ impl Inner {
         }
         fills
             .into_iter()
-            .partition(|(s, _)| self.transport.is_host(&s.segs))
+            .partition(|(s, _)| self.reads_into_caller(s))
+    }
+
+    /// Whether the backend reads `s` straight into the caller's memory: it
+    /// reads locally, and the memory is the host's.
+    fn reads_into_caller(&self, s: &ShardIo) -> bool {
+        self.backend.reads_are_local() && self.transport.is_host(&s.segs)
     }
 
     /// Reads `fills` from the backend into the caller's memory and finishes
@@ -350,7 +354,7 @@ impl Inner {
         if !unwritten.is_empty() {
             self.wb.settle(&unwritten, self.deadline(ctx));
         }
-        if self.backend.reads_are_local() && items.iter().all(|s| self.transport.is_host(&s.segs)) {
+        if items.iter().all(|s| self.reads_into_caller(s)) {
             // The outcome is already the task's, unit by unit.
             let _ = self.read_into_caller(ctx, items);
             return;
