@@ -11,6 +11,8 @@ built-in exception means the same thing, the class derives from it too, so
 
 from __future__ import annotations
 
+_BY_CODE: dict[int, type[UcmStoreError]] = {}
+
 
 class UcmStoreError(Exception):
     """Base class of every store error."""
@@ -22,92 +24,60 @@ class UcmStoreError(Exception):
         if code is not None:
             self.code = code
 
+    def __init_subclass__(cls, code: int | None = None, **kwargs: object) -> None:
+        # Each subclass names its code once; the registry the native module's
+        # error_from_code reads is filled from those declarations.
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+            _BY_CODE[code] = cls
 
-class TaskFailedError(UcmStoreError):
+
+class TaskFailedError(UcmStoreError, code=-1):
     """A load or dump task failed (code -1)."""
 
-    code = -1
 
-
-class InvalidParamError(UcmStoreError, ValueError):
+class InvalidParamError(UcmStoreError, ValueError, code=-50000):
     """A bad argument or config value (code -50000)."""
 
-    code = -50000
 
-
-class StoreOutOfMemoryError(UcmStoreError, MemoryError):
+class StoreOutOfMemoryError(UcmStoreError, MemoryError, code=-50001):
     """An allocation failed (code -50001)."""
 
-    code = -50001
 
-
-class OsApiError(UcmStoreError, OSError):
+class OsApiError(UcmStoreError, OSError, code=-50002):
     """An operating-system call failed (code -50002)."""
 
-    code = -50002
 
-
-class DuplicateKeyError(UcmStoreError):
+class DuplicateKeyError(UcmStoreError, code=-50003):
     """A key was registered twice (code -50003)."""
 
-    code = -50003
 
-
-class BlockNotFoundError(UcmStoreError, KeyError):
+class BlockNotFoundError(UcmStoreError, KeyError, code=-50005):
     """A block, task handle or path does not exist (code -50005)."""
-
-    code = -50005
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return Exception.__str__(self)
 
 
-class UnsupportedError(UcmStoreError, NotImplementedError):
+class UnsupportedError(UcmStoreError, NotImplementedError, code=-50008):
     """Not supported by this store or in this role (code -50008)."""
 
-    code = -50008
 
-
-class NoSpaceError(UcmStoreError, OSError):
+class NoSpaceError(UcmStoreError, OSError, code=-50009):
     """The storage device is full (code -50009)."""
 
-    code = -50009
 
-
-class StoreTimeoutError(UcmStoreError, TimeoutError):
+class StoreTimeoutError(UcmStoreError, TimeoutError, code=-50010):
     """A task ran past its timeout, counted from submit (code -50010)."""
 
-    code = -50010
 
-
-class CorruptBlockError(UcmStoreError):
+class CorruptBlockError(UcmStoreError, code=-50011):
     """Stored bytes failed verification: magic, layout, id or checksum (code -50011)."""
 
-    code = -50011
 
-
-class StoreClosedError(UcmStoreError):
+class StoreClosedError(UcmStoreError, code=-50012):
     """The store was closed (code -50012)."""
-
-    code = -50012
-
-
-_BY_CODE: dict[int, type[UcmStoreError]] = {
-    cls.code: cls
-    for cls in (
-        TaskFailedError,
-        InvalidParamError,
-        StoreOutOfMemoryError,
-        OsApiError,
-        DuplicateKeyError,
-        BlockNotFoundError,
-        UnsupportedError,
-        NoSpaceError,
-        StoreTimeoutError,
-        CorruptBlockError,
-        StoreClosedError,
-    )
-}
 
 
 def error_from_code(code: int, message: str) -> UcmStoreError:
