@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from functools import partialmethod
 from typing import Any
 
 import numpy as np
@@ -126,22 +127,6 @@ class UcmPipelineStore(UcmKVStoreBase):
     # -- transfers -------------------------------------------------------
     # The native store keeps the tensors of a transfer alive until the
     # transfer finished, so a dropped Task never frees memory in use.
-    def load(
-        self,
-        block_ids: Sequence[bytes],
-        shard_index: Sequence[int],
-        tensors: Sequence[Sequence[Any]] | Regions,
-    ) -> Task:
-        return self._transfer(block_ids, shard_index, tensors, load=True)
-
-    def dump(
-        self,
-        block_ids: Sequence[bytes],
-        shard_index: Sequence[int],
-        tensors: Sequence[Sequence[Any]] | Regions,
-    ) -> Task:
-        return self._transfer(block_ids, shard_index, tensors, load=False)
-
     def _transfer(
         self,
         block_ids: Sequence[bytes],
@@ -149,7 +134,8 @@ class UcmPipelineStore(UcmKVStoreBase):
         tensors: Sequence[Sequence[Any]] | Regions,
         load: bool,
     ) -> Task:
-        """A load (into ``tensors``, which must be writable) or a dump."""
+        """A load (into ``tensors``, which must be writable) or a dump.
+        :meth:`load` and :meth:`dump` are this with ``load`` fixed."""
         if isinstance(tensors, Regions):
             submit = self._native.load_addrs if load else self._native.dump_addrs
             return self._regions(submit, block_ids, shard_index, tensors, load)
@@ -157,6 +143,9 @@ class UcmPipelineStore(UcmKVStoreBase):
         segs = self._native.load_segs if load else self._native.dump_segs
         tid = segs(block_ids, list(shard_index), ptrs, lens, offsets, owner=tensors)
         return Task(tid)
+
+    load = partialmethod(_transfer, load=True)
+    dump = partialmethod(_transfer, load=False)
 
     def _regions(
         self,
@@ -185,27 +174,27 @@ class UcmPipelineStore(UcmKVStoreBase):
         it must stay allocated and untouched until :meth:`wait` returned. A
         wrong address corrupts the process. Prefer :meth:`load` with tensors
         or :class:`~ucm.store.memory.Regions`."""
-        addrs = as_addr_matrix(dst_addr, len(block_ids))
-        tid = self._native.load_addrs(
-            block_ids, _indices(shard_index), addrs, self._col_sizes(addrs)
-        )
-        return Task(tid)
+        return self._addr_transfer(block_ids, shard_index, dst_addr, load=True)
 
-    def dump_data(
+    def _addr_transfer(
         self,
         block_ids: Sequence[bytes],
         shard_index: Sequence[int],
-        src_addr: np.ndarray,
+        addr: np.ndarray,
         prerequisite_handle: int = 0,
+        *,
+        load: bool,
     ) -> Task:
-        """Like :meth:`dump`, from raw addresses. **Unchecked**, like
-        :meth:`load_data`: the memory must stay allocated and unchanged until
-        :meth:`wait` returned."""
-        addrs = as_addr_matrix(src_addr, len(block_ids))
-        tid = self._native.dump_addrs(
-            block_ids, _indices(shard_index), addrs, self._col_sizes(addrs), prerequisite_handle
-        )
-        return Task(tid)
+        """A load or dump with raw addresses; :meth:`dump_data` is this with
+        ``load`` false. **Unchecked**, like :meth:`load_data`: the memory must
+        stay allocated and unchanged until :meth:`wait` returned."""
+        addrs = as_addr_matrix(addr, len(block_ids))
+        args = (block_ids, _indices(shard_index), addrs, self._col_sizes(addrs))
+        if load:
+            return Task(self._native.load_addrs(*args))
+        return Task(self._native.dump_addrs(*args, prerequisite_handle))
+
+    dump_data = partialmethod(_addr_transfer, load=False)
 
     def _col_sizes(self, addrs: np.ndarray) -> list[int]:
         # Stages without a layout (Empty) read and write nothing.
