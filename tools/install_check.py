@@ -26,6 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ucm.testing.tiny_serve import tiny_server_args
+
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / ".venv"
 
@@ -74,22 +76,7 @@ class Server:
                 str(model),
                 "--storage",
                 str(store),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                port,
-                "--served-model-name",
-                "tiny",
-                "--enforce-eager",
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "1024",
-                "--block-size",
-                "32",
-                "--no-enable-prefix-caching",
-                "--kv-cache-memory-bytes",
-                str(64 << 20),
+                *tiny_server_args(int(port)),
             ],
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from support.engines import ROOT, engine_env
 
+from ucm.testing.tiny_serve import tiny_server_args
+
 PROMPT = (
     "the cache of keys and values is stored on disk so that a later request with the same "
     "prefix loads it instead of computing it again every block has an id made from its "
@@ -58,29 +60,6 @@ def samples(text: str) -> dict[str, float]:
             if s.name.startswith("ucm_"):
                 out[s.name] = out.get(s.name, 0.0) + s.value
     return out
-
-
-def tiny_server_args(port: int) -> list[str]:
-    """``vllm serve`` options for the tiny model on 127.0.0.1:``port``, with
-    vLLM's own prefix cache off so repeats come from the UCM store."""
-    return [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--block-size",
-        "32",
-        "--kv-cache-memory-bytes",
-        str(64 << 20),
-        "--no-enable-prefix-caching",
-    ]
 
 
 @pytest.fixture(scope="module")
