@@ -250,27 +250,8 @@ class MotoServer:
             self.log.unlink()  # kept only while the server runs (a failing test reads it)
 
 
-GANESHA_CONF = """
-NFS_CORE_PARAM {
-    NFS_Port = 2049;
-    MNT_Port = 20048;
-    Enable_NLM = false;
-    Enable_RQUOTA = false;
-    Protocols = 3, 4;
-}
-NFSV4 { Graceless = true; Only_Numeric_Owners = true; }
-EXPORT {
-    Export_Id = 1;
-    Path = @EXPORT@;
-    Pseudo = /export;
-    Access_Type = RW;
-    Squash = No_Root_Squash;
-    Transports = TCP;
-    Protocols = 3, 4;
-    SecType = sys;
-    FSAL { Name = VFS; }
-}
-"""
+# One export for the Python and the Rust NFS tests alike.
+GANESHA_CONF = Path(__file__).resolve().parents[3] / "tools" / "nfs" / "ganesha-test.conf"
 
 # Inside the new namespaces: private /run (rpcbind's socket and state) and
 # /var/lib/nfs (ganesha's recovery state), loopback up.
@@ -302,7 +283,7 @@ class NfsServer:
         self.export = self.base / "export"
         self.export.mkdir(parents=True, exist_ok=True)
         self.conf = self.base / "ganesha.conf"
-        self.conf.write_text(GANESHA_CONF.replace("@EXPORT@", str(self.export)))
+        self.conf.write_text(GANESHA_CONF.read_text().replace("@EXPORT@", str(self.export)))
         self.log = self.base / "ganesha.log"
         self.holder = subprocess.Popen(
             ["unshare", "--net", "--mount", "--", "sh", "-c", _NS_INIT],

@@ -43,27 +43,8 @@ struct Ganesha {
     ganesha_bin: PathBuf,
 }
 
-const CONF: &str = r#"
-NFS_CORE_PARAM {
-    NFS_Port = 2049;
-    MNT_Port = 20048;
-    Enable_NLM = false;
-    Enable_RQUOTA = false;
-    Protocols = 3, 4;
-}
-NFSV4 { Graceless = true; Only_Numeric_Owners = true; }
-EXPORT {
-    Export_Id = 1;
-    Path = @EXPORT@;
-    Pseudo = /export;
-    Access_Type = RW;
-    Squash = No_Root_Squash;
-    Transports = TCP;
-    Protocols = 3, 4;
-    SecType = sys;
-    FSAL { Name = VFS; }
-}
-"#;
+// One export for the Rust and the Python NFS tests alike.
+const CONF: &str = include_str!("../../../tools/nfs/ganesha-test.conf");
 
 impl Ganesha {
     fn start() -> Option<Ganesha> {
