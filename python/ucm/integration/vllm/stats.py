@@ -19,11 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from ucm.integration.vllm.config import resolve_config
 from ucm.shared import metrics as ucm_metrics
+from ucm.shared.logging import get_logger
 
 LIST_KEYS = ("load_durations_ms", "save_durations_ms")
 FLOAT_KEYS = ("load_busy_ms", "save_busy_ms")
 MIN_KEYS = ("store_healthy",)
+
+logger = get_logger(__name__)
 
 
 def merge_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +122,24 @@ class UCMPromMetrics(KVConnectorPromMetrics):
         for attrs in self._attrs.values():
             self._metrics.start(attrs)
         ucm_metrics.after_record()
+
+    @classmethod
+    def for_engine(cls, vllm_config: Any, *vllm_args: Any) -> UCMPromMetrics | None:
+        """The connector's ``build_prom_metrics``: the metrics with the
+        duration buckets of the UCM config, or None when that config turns
+        them off. ``vllm_args`` (metric types, label names, per-engine label
+        values) are vLLM's, passed through as vLLM gives them."""
+        extra: dict[str, Any] = {}
+        if vllm_config.kv_transfer_config is not None:
+            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        try:
+            mcfg = resolve_config(extra).metrics
+        except Exception as e:  # the engine reports config errors itself
+            logger.warning("UCM metrics disabled: %s", e)
+            return None
+        if not mcfg.get("enabled", True):
+            return None
+        return cls(vllm_config, *vllm_args, buckets_ms=mcfg.get("duration_buckets_ms"))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         if not transfer_stats_data:

@@ -314,30 +314,8 @@ class UCMConnector(KVConnectorBase_V1):
         return UCMKVConnectorStats(data=dict(data)) if data is not None else UCMKVConnectorStats()
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> UCMPromMetrics | None:
-        extra = {}
-        if vllm_config.kv_transfer_config is not None:
-            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        try:
-            mcfg = resolve_config(extra).metrics
-        except Exception as e:  # the engine reports config errors itself
-            logger.warning("UCM metrics disabled: %s", e)
-            return None
-        if not mcfg.get("enabled", True):
-            return None
-        return UCMPromMetrics(
-            vllm_config,
-            metric_types,
-            labelnames,
-            per_engine_labelvalues,
-            buckets_ms=mcfg.get("duration_buckets_ms"),
-        )
+    def build_prom_metrics(cls, vllm_config: VllmConfig, *vllm_args: Any) -> UCMPromMetrics | None:
+        return UCMPromMetrics.for_engine(vllm_config, *vllm_args)
 
 
 __all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_vllm_version"]
