@@ -178,17 +178,8 @@ class UCMSchedulerSide:
         self.cfg = cfg
         self.geom = geom
         self.block_size = geom.block_size
-        c = cfg.connector
         store_cfg = build_store_config(cfg.store, geom.scheduler_store_keys(), device_id=-1)
-        self.store = StoreHandle(
-            cfg.store,
-            store_cfg,
-            role="scheduler",
-            retry_interval_s=c.store_retry_interval_s,
-            retry_max_s=c.store_retry_max_s,
-            warning_interval_s=c.warning_interval_s,
-            create_dirs=True,
-        )
+        self.store = StoreHandle(cfg, store_cfg, role="scheduler")
         self.stats = StatsCollector()
         self._reqs: dict[str, _ReqState] = {}
         self._hashes: dict[str, tuple[int, list[bytes]]] = {}

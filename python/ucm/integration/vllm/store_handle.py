@@ -16,6 +16,7 @@ from typing import Any
 
 from ucm.integration.vllm.config import (
     ConfigError,
+    ResolvedConfig,
     StoreSpec,
     explain_store_error,
     storage_dirs,
@@ -95,36 +96,31 @@ def build_store_config(
 class StoreHandle:
     """Opens ``spec`` on first use and tracks whether the store is usable."""
 
-    def __init__(
-        self,
-        spec: StoreSpec,
-        store_config: dict[str, Any],
-        *,
-        role: str,
-        retry_interval_s: float = 1.0,
-        retry_max_s: float = 30.0,
-        warning_interval_s: float = 30.0,
-        create_dirs: bool = False,
-    ) -> None:
-        self.spec = spec
+    def __init__(self, cfg: ResolvedConfig, store_config: dict[str, Any], *, role: str) -> None:
+        """``cfg.store`` names the store; ``cfg.connector`` says how often to
+        retry it and to warn while it is unusable. ``store_config`` is what
+        the store is opened with, for this ``role`` (scheduler or a rank)."""
+        c = cfg.connector
+        self.spec = cfg.store
         self.store_config = store_config
         self.role = role
-        self.retry_interval_s = retry_interval_s
-        self.retry_max_s = max(retry_max_s, retry_interval_s)
-        self.warning_interval_s = warning_interval_s
-        self.create_dirs = create_dirs
+        self.retry_interval_s = c.store_retry_interval_s
+        self.retry_max_s = max(c.store_retry_max_s, c.store_retry_interval_s)
+        self.warning_interval_s = c.warning_interval_s
         self._lock = threading.Lock()
         self._store: UcmKVStoreBase | None = None
         self._healthy = True
         self._next_try = 0.0
-        self._backoff = retry_interval_s
+        self._backoff = self.retry_interval_s
         self._last_warning = -1e18
         self._suppressed = 0
         self.errors = 0
         self.failures_since_ok = 0
-        if spec.module_path:
+        if self.spec.module_path:
             try:
-                UcmConnectorFactory.register_connector(spec.name, spec.module_path, spec.name)
+                UcmConnectorFactory.register_connector(
+                    self.spec.name, self.spec.module_path, self.spec.name
+                )
             except ValueError:
                 pass  # already registered
 
@@ -155,9 +151,8 @@ class StoreHandle:
             return self._store
 
     def _open(self) -> UcmKVStoreBase:
-        if self.create_dirs:
-            for d in storage_dirs(self.spec):
-                d.mkdir(parents=True, exist_ok=True)
+        for d in storage_dirs(self.spec):
+            d.mkdir(parents=True, exist_ok=True)
         return UcmConnectorFactory.create_connector(self.spec.name, self.store_config)
 
     # -- reports -------------------------------------------------------------

@@ -182,15 +182,7 @@ class UCMWorkerSide:
             },
             device_id=max(self.tp_rank, 0),
         )
-        self.store = StoreHandle(
-            self.cfg.store,
-            store_cfg,
-            role=f"worker rank {self.tp_rank}",
-            retry_interval_s=c.store_retry_interval_s,
-            retry_max_s=c.store_retry_max_s,
-            warning_interval_s=c.warning_interval_s,
-            create_dirs=True,
-        )
+        self.store = StoreHandle(self.cfg, store_cfg, role=f"worker rank {self.tp_rank}")
         self.store.get()  # open now (failures are retried later)
         self._load_waiter = threading.Thread(
             target=self._load_wait_loop, name="ucm-load-waiter", daemon=True
