@@ -12,13 +12,20 @@ pipeline over that directory replays the same trace of block loads, and
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ucm.store import UcmConnectorFactory
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python" / "tests"))
+
+from support.store_helpers import SHARD, SHARDS, base_config
+
+from ucm.store import UcmConnectorFactory, UcmKVStoreBase
 from ucm.store.config import stage_schemas
 
 EVICTION_POLICIES = next(
@@ -27,9 +34,6 @@ EVICTION_POLICIES = next(
 #: The default (a block read straight into the caller is kept on its second
 #: load) against keeping every load miss.
 FILL_POLICIES = ("reuse_allocate", "read_allocate")
-
-SHARD = 64 * 1024
-SHARDS = 4
 
 
 def bid(n: int) -> bytes:
@@ -45,15 +49,35 @@ def zipf_trace(blocks: int, length: int, alpha: float, seed: int) -> np.ndarray:
     return perm[rng.choice(blocks, size=length, p=p)]
 
 
-def config(root: Path, **kw: object) -> dict[str, object]:
-    cfg: dict[str, object] = {
-        "store_pipeline": "Posix",
-        "storage_backends": str(root),
-        "block_size": SHARD * SHARDS,
-        "shard_size": SHARD,
-    }
-    cfg.update(kw)
-    return cfg
+@dataclass(frozen=True)
+class TraceRun:
+    """What a replayed trace measured, from the store's own stats."""
+
+    loads: int
+    seconds: float
+    l1_hit_rate: float
+    l2_hit_rate: float
+    p99_load_ms: float
+
+    @property
+    def blocks_per_s(self) -> float:
+        return self.loads / self.seconds
+
+
+def replay(
+    store: UcmKVStoreBase, trace: np.ndarray, batch: int, load: Callable[[list[int]], None]
+) -> TraceRun:
+    """Loads the trace's blocks, ``batch`` block numbers per call of ``load``,
+    then closes ``store`` and returns the timing and its hit rates."""
+    start = time.perf_counter()
+    for i in range(0, len(trace), batch):
+        load([int(n) for n in trace[i : i + batch]])
+    seconds = time.perf_counter() - start
+    s = store.get_stats()
+    store.close()
+    return TraceRun(
+        len(trace), seconds, s["l1_hit_rate"], s["l2_hit_rate"], s["p99_load_latency_ms"]
+    )
 
 
 def main() -> None:
@@ -68,7 +92,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         root = Path(tmp)
         data = [np.full(SHARD, i % 251, dtype=np.uint8) for i in range(SHARDS)]
-        writer = UcmConnectorFactory.create_connector("UcmPipelineStore", config(root))
+        writer = UcmConnectorFactory.create_connector(
+            "UcmPipelineStore", base_config(root, tensor_size_list=[SHARD])
+        )
         for start in range(0, args.blocks, 64):
             ids = [bid(n) for n in range(start, min(args.blocks, start + 64))]
             writer.wait(
@@ -94,17 +120,18 @@ def main() -> None:
         for fill, policy in ((f, p) for f in FILL_POLICIES for p in EVICTION_POLICIES):
             store = UcmConnectorFactory.create_connector(
                 "UcmPipelineStore",
-                config(
+                base_config(
                     root,
+                    tensor_size_list=[SHARD],
                     store_pipeline="Cache|Posix",
                     cache_buffer_capacity_gb=cache_gb,
                     eviction_policy=policy,
                     fill_policy=fill,
                 ),
             )
-            start = time.perf_counter()
-            for i in range(0, len(trace), args.batch):
-                ids = [bid(int(n)) for n in trace[i : i + args.batch]]
+
+            def load(numbers: list[int], store: UcmKVStoreBase = store) -> None:
+                ids = [bid(n) for n in numbers]
                 k = len(ids) * SHARDS
                 store.wait(
                     store.load(
@@ -113,13 +140,12 @@ def main() -> None:
                         [[o] for o in out[:k]],
                     )
                 )
-            secs = time.perf_counter() - start
-            s = store.get_stats()
-            store.close()
+
+            run = replay(store, trace, args.batch, load)
             print(
-                f"{fill:<15} {policy:<8} {s['l1_hit_rate']:>7.3f} {s['l2_hit_rate']:>7.3f} "
-                f"{len(trace) / secs:>9.0f} {len(trace) * SHARDS * SHARD / secs / 1e6:>8.0f} "
-                f"{s['p99_load_latency_ms']:>7.2f}"
+                f"{fill:<15} {policy:<8} {run.l1_hit_rate:>7.3f} {run.l2_hit_rate:>7.3f} "
+                f"{run.blocks_per_s:>9.0f} "
+                f"{run.blocks_per_s * SHARDS * SHARD / 1e6:>8.0f} {run.p99_load_ms:>7.2f}"
             )
 
 

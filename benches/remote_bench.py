@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from support.servers import MotoServer, NfsServer, find_binary
 
-from cache_trace import zipf_trace
+from cache_trace import replay, zipf_trace
 from ucm.store import UcmConnectorFactory, UcmKVStoreBase
 
 SHARDS = 4
@@ -115,16 +115,11 @@ def zipf_run(
     cache_gb = args.blocks * 0.1 * SHARDS * shard / (1 << 30)
     store = opener({"store_pipeline": pipeline, "cache_buffer_capacity_gb": max(cache_gb, 0.001)})
     one = np.empty((1, SHARDS, shard), dtype=np.uint8)
-    start = time.perf_counter()
-    for n in trace:
-        transfer(store, range(int(n), int(n) + 1), one, dump=False)
-    secs = time.perf_counter() - start
-    s = store.get_stats()
-    store.close()
+    run = replay(store, trace, 1, lambda n: transfer(store, range(n[0], n[0] + 1), one, False))
     print(
         f"  {pipeline}, Zipf a=0.9 over {args.blocks} blocks, cache 10% of them, "
-        f"{len(trace)} loads: l1 hit {s['l1_hit_rate']:.3f}, l2 hit {s['l2_hit_rate']:.3f}, "
-        f"{len(trace) / secs:.0f} blocks/s, p99 {s['p99_load_latency_ms']:.1f} ms"
+        f"{run.loads} loads: l1 hit {run.l1_hit_rate:.3f}, l2 hit {run.l2_hit_rate:.3f}, "
+        f"{run.blocks_per_s:.0f} blocks/s, p99 {run.p99_load_ms:.1f} ms"
     )
 
 
