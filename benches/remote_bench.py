@@ -95,6 +95,26 @@ def lookup_ms(store: UcmKVStoreBase, ids: list[bytes], reps: int = 3) -> float:
     return statistics.median(times)
 
 
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall-clock seconds of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def round_trip(store: UcmKVStoreBase, blocks: int, shard: int) -> tuple[float, float]:
+    """Seconds to dump blocks ``0..blocks`` of random bytes, then to load them."""
+    bufs = np.random.default_rng(1).integers(0, 256, (8, SHARDS, shard), dtype=np.uint8)
+    d = transfer(store, range(blocks), bufs, dump=True)
+    return d, transfer(store, range(blocks), np.empty_like(bufs), dump=False)
+
+
+def throughput_rows(total: int, rows: list[tuple[str, float, float]]) -> None:
+    """One row per (what, our seconds, the baseline's seconds) moving ``total`` bytes."""
+    for what, ours, base in rows:
+        row(what, total / ours / 1e6, total / base / 1e6, "MB/s")
+
+
 def row(what: str, ours: float, base: float, unit: str) -> None:
     ratio = ours / base if base else float("nan")
     print(
@@ -136,11 +156,8 @@ def bench_s3(args: argparse.Namespace, shard: int) -> None:
             "timeout_ms": 120000,
         }
         store = open_store(cfg)
-        bufs = np.random.default_rng(1).integers(0, 256, (8, SHARDS, shard), dtype=np.uint8)
         total = args.blocks * SHARDS * shard
-        d = transfer(store, range(args.blocks), bufs, dump=True)
-        out = np.empty_like(bufs)
-        ld = transfer(store, range(args.blocks), out, dump=False)
+        d, ld = round_trip(store, args.blocks, shard)
         client = server.client()
         obj = bytes(SHARDS * (4096 + shard))  # the object size the store writes
 
@@ -151,18 +168,13 @@ def bench_s3(args: argparse.Namespace, shard: int) -> None:
             client.get_object(Bucket=bucket, Key=f"base/{n}")["Body"].read()
 
         with ThreadPoolExecutor(args.concurrency) as pool:
-            start = time.perf_counter()
-            list(pool.map(put, range(args.blocks)))
-            bput = time.perf_counter() - start
-            start = time.perf_counter()
-            list(pool.map(get, range(args.blocks)))
-            bget = time.perf_counter() - start
+            bput = seconds(lambda: list(pool.map(put, range(args.blocks))))
+            bget = seconds(lambda: list(pool.map(get, range(args.blocks))))
         print(
             f"S3 (moto_server on loopback), {args.blocks} blocks of {SHARDS} x {shard >> 10} KiB, "
             f"concurrency {args.concurrency}"
         )
-        row("dump (PUT)", total / d / 1e6, total / bput / 1e6, "MB/s")
-        row("load (ranged GET)", total / ld / 1e6, total / bget / 1e6, "MB/s")
+        throughput_rows(total, [("dump (PUT)", d, bput), ("load (ranged GET)", ld, bget)])
 
         n_ids = 1000
         meta = np.zeros((1, SHARDS, 16), dtype=np.uint8)
@@ -208,11 +220,8 @@ def bench_nfs(args: argparse.Namespace, shard: int) -> None:
         }
         with server.in_netns():
             store = open_store(cfg)
-        bufs = np.random.default_rng(1).integers(0, 256, (8, SHARDS, shard), dtype=np.uint8)
         total = args.blocks * SHARDS * shard
-        d = transfer(store, range(args.blocks), bufs, dump=True)
-        out = np.empty_like(bufs)
-        ld = transfer(store, range(args.blocks), out, dump=False)
+        d, ld = round_trip(store, args.blocks, shard)
 
         nfs_cp = find_binary("nfs-cp")
         bput = bget = float("nan")
@@ -223,24 +232,19 @@ def bench_nfs(args: argparse.Namespace, shard: int) -> None:
                     np.random.default_rng(2).bytes(args.blocks * SHARDS * (4096 + shard))
                 )
                 url = f"{server.url()}/baseline.bin"
-                start = time.perf_counter()
-                subprocess.run(
-                    server.nsenter([nfs_cp, str(src), url]), check=True, capture_output=True
-                )
-                bput = time.perf_counter() - start
-                start = time.perf_counter()
-                subprocess.run(
-                    server.nsenter([nfs_cp, url, str(Path(tmp) / "back")]),
-                    check=True,
-                    capture_output=True,
-                )
-                bget = time.perf_counter() - start
+
+                def nfs_copy(src: str, dst: str) -> None:
+                    subprocess.run(
+                        server.nsenter([nfs_cp, src, dst]), check=True, capture_output=True
+                    )
+
+                bput = seconds(lambda: nfs_copy(str(src), url))
+                bget = seconds(lambda: nfs_copy(url, str(Path(tmp) / "back")))
         print(
             f"NFS (Ganesha 4.3 VFS, NFSv3 over loopback), {args.blocks} blocks of "
             f"{SHARDS} x {shard >> 10} KiB, concurrency {args.concurrency}"
         )
-        row("dump (WRITE+COMMIT+RENAME)", total / d / 1e6, total / bput / 1e6, "MB/s")
-        row("load (READ)", total / ld / 1e6, total / bget / 1e6, "MB/s")
+        throughput_rows(total, [("dump (WRITE+COMMIT+RENAME)", d, bput), ("load (READ)", ld, bget)])
         ids = [bid(n) for n in range(args.blocks)]
         with server.in_netns():
             cold_store = open_store(dict(cfg, nfs_lookup_cache_ttl_ms=0))
@@ -294,22 +298,26 @@ def bench_mooncake(args: argparse.Namespace, shard: int) -> None:
             blocks = range(r * args.blocks, (r + 1) * args.blocks)
             d = min(d, transfer(store, blocks, bufs, dump=True))
             ld = min(ld, transfer(store, blocks, out, dump=False))
-            with cluster.on_host(1):
-                start = time.perf_counter()
+
+            def put(blocks: range = blocks) -> None:
                 for n in blocks:
                     assert raw.put_from(f"base/{n}", buf.ctypes.data, obj_len) == 0
-                bput = min(bput, time.perf_counter() - start)
-                start = time.perf_counter()
+
+            def get(blocks: range = blocks) -> None:
                 for n in blocks:
                     assert raw.get_into(f"base/{n}", buf.ctypes.data, obj_len) == obj_len
-                bget = min(bget, time.perf_counter() - start)
+
+            with cluster.on_host(1):
+                bput = min(bput, seconds(put))
+                bget = min(bget, seconds(get))
         print(
             f"Mooncake (mooncake_master + a store service, TCP over a veth pair), "
             f"{args.blocks} blocks of {SHARDS} x {shard >> 10} KiB, best of {reps}: the stage "
             f"(batched calls) against the client's one-at-a-time loop"
         )
-        row("dump (batch_put_from)", total / d / 1e6, total / bput / 1e6, "MB/s")
-        row("load (batch_get_into)", total / ld / 1e6, total / bget / 1e6, "MB/s")
+        throughput_rows(
+            total, [("dump (batch_put_from)", d, bput), ("load (batch_get_into)", ld, bget)]
+        )
         lw = min(layerwise_load(store, range(r * args.blocks, (r + 1) * args.blocks), out)
                  for r in range(reps))  # fmt: skip
         row("load, a task per shard (ranged)", total / lw / 1e6, total / bget / 1e6, "MB/s")
