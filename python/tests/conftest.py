@@ -7,7 +7,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
@@ -22,38 +22,43 @@ from support.store_helpers import base_config
 from ucm.store import UcmConnectorFactory, UcmKVStoreBase
 
 
+class _Server(Protocol):
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Server)
+
+
+def _running(
+    start: Callable[[], S], what: str, missing: tuple[type[Exception], ...]
+) -> Iterator[S]:
+    """A fixture's body for a local server: skip the test when the machine
+    can't run it (``missing``), and stop the server after it."""
+    try:
+        server = start()
+    except missing as e:
+        pytest.skip(f"no {what}: {e}")
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="module")
 def moto() -> Iterator[MotoServer]:
     """A local S3 server (moto) for the module's tests."""
-    try:
-        server = MotoServer()
-    except FileNotFoundError as e:
-        pytest.skip(f"{e} is not installed")
-    yield server
-    server.close()
+    yield from _running(MotoServer, "S3 server (moto)", (FileNotFoundError,))
 
 
 @pytest.fixture(scope="module")
 def nfs() -> Iterator[NfsServer]:
     """A local NFS server for the module's tests."""
-    try:
-        server = NfsServer()
-    except (FileNotFoundError, PermissionError) as e:
-        pytest.skip(f"no NFS server: {e}")
-    yield server
-    server.close()
+    yield from _running(NfsServer, "NFS server", (FileNotFoundError, PermissionError))
 
 
 @pytest.fixture(scope="session")
 def mooncake() -> Iterator[MooncakeCluster]:
     """A Mooncake master and store service on two private hosts, shared by
     the session's tests (each uses its own key prefix)."""
-    try:
-        cluster = MooncakeCluster()
-    except FileNotFoundError as e:
-        pytest.skip(f"no Mooncake cluster: {e}")
-    yield cluster
-    cluster.close()
+    yield from _running(MooncakeCluster, "Mooncake cluster", (FileNotFoundError,))
 
 
 @pytest.fixture
