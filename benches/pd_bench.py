@@ -41,41 +41,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
 from ucm.testing.harness import engine_env
 from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+from ucm.testing.tiny_serve import free_port, http, tiny_server_args
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = TinyModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1024, vocab=512)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def engine_args(port: int, max_len: int) -> list[str]:
-    return [
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m",
-        "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_len),
-        "--block-size", "32", "--kv-cache-memory-bytes", str(512 << 20),
-        "--no-enable-prefix-caching",
-    ]  # fmt: skip
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read().decode()
-    except OSError:
-        return 0, ""
 
 
 def local_compute(base: str) -> float:
@@ -83,7 +58,7 @@ def local_compute(base: str) -> float:
 
     return sum(
         s.value
-        for fam in text_string_to_metric_families(get(base + "/metrics")[1])
+        for fam in text_string_to_metric_families(http(base + "/metrics", timeout=5)[1])
         for s in fam.samples
         if s.name == "vllm:prompt_tokens_by_source_total"
         and s.labels.get("source") == "local_compute"
@@ -147,11 +122,15 @@ def main() -> None:
         # engine_env drops the caller's UCM_* variables: set it here.
         env["UCM_HANDOVER_TIMEOUT_S"] = str(args.handover_timeout_s)
     py = [sys.executable, "-m", "ucm"]
+
+    def serve_args(port: int) -> list[str]:
+        return tiny_server_args(port, name="m", max_model_len=max_len, kv_cache_bytes=512 << 20)
+
     cmds = {
-        "P": [*py, "serve", str(model), "--kv-role", "producer", *engine_args(ports["P"], max_len)],
-        "D": [*py, "serve", str(model), "--kv-role", "consumer", *engine_args(ports["D"], max_len)],
+        "P": [*py, "serve", str(model), "--kv-role", "producer", *serve_args(ports["P"])],
+        "D": [*py, "serve", str(model), "--kv-role", "consumer", *serve_args(ports["D"])],
         "one": [*py[:2], "ucm.integration.vllm.cli", "serve", str(model),
-                *engine_args(ports["one"], max_len)],
+                *serve_args(ports["one"])],
         "proxy": [*py, "proxy", "--prefill", url["P"], "--decode", url["D"],
                   "--port", str(ports["proxy"])],
     }  # fmt: skip
@@ -165,7 +144,7 @@ def main() -> None:
             )  # fmt: skip
         for name in cmds:
             deadline = time.time() + 600
-            while get(url[name] + "/health")[0] != 200:
+            while http(url[name] + "/health", timeout=5)[0] != 200:
                 if procs[name].poll() is not None or time.time() > deadline:
                     sys.exit(f"{name} did not start; see {work / (name + '.log')}")
                 time.sleep(1)

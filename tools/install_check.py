@@ -18,15 +18,13 @@ import argparse
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from ucm.testing.tiny_serve import tiny_server_args
+from ucm.testing.tiny_serve import free_port, http, tiny_server_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / ".venv"
@@ -37,24 +35,8 @@ def sh(*cmd: str | Path, **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(c) for c in cmd], check=True, text=True, **kw)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(url: str, body: dict | None = None) -> tuple[int, str]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read().decode()
-    except OSError:
-        return 0, ""
-
-
 def loaded_blocks(base: str) -> float:
-    text = http(base + "/metrics")[1]
+    text = http(base + "/metrics", timeout=120)[1]
     return sum(
         float(line.split()[-1])
         for line in text.splitlines()
@@ -84,7 +66,7 @@ class Server:
             start_new_session=True,
         )
         deadline = time.time() + 300
-        while http(self.base + "/health")[0] != 200:
+        while http(self.base + "/health", timeout=120)[0] != 200:
             if self.proc.poll() is not None or time.time() > deadline:
                 self.stop()
                 raise SystemExit(f"ucm serve did not start:\n{log.read_text()[-4000:]}")
@@ -100,6 +82,7 @@ class Server:
                 "temperature": 0,
                 "ignore_eos": True,
             },
+            timeout=120,
         )
         if status != 200:
             raise SystemExit(f"completion failed ({status}): {body}")

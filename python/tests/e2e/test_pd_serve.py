@@ -28,9 +28,8 @@ from typing import Any
 
 import pytest
 from support.engines import ROOT, engine_env
-from test_vllm_serve import free_port, http
 
-from ucm.testing.tiny_serve import tiny_server_args
+from ucm.testing.tiny_serve import free_port, http, tiny_server_args
 
 README = (ROOT / "README.md").read_text()
 WORDS = (

@@ -12,18 +12,16 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.engines import ROOT, engine_env
 
-from ucm.testing.tiny_serve import tiny_server_args
+from ucm.testing.tiny_serve import free_port, http, tiny_server_args
 
 PROMPT = (
     "the cache of keys and values is stored on disk so that a later request with the same "
@@ -31,24 +29,6 @@ PROMPT = (
     "tokens and the id of the block before it a store keeps blocks in files a scheduler "
     "asks how many blocks of a prompt are present and the workers load them layer by layer"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, str]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return 0, ""
 
 
 def samples(text: str) -> dict[str, float]:
