@@ -165,7 +165,7 @@ def test_server_stopped_mid_run_under_a_cache(nfs: NfsServer) -> None:
     store = open_store(nfs, cfg)
     root = nfs.export / "outage"
     try:
-        ride_out_an_outage(store, nfs.stop_ganesha, nfs.start_ganesha)
+        ride_out_an_outage(store, nfs.stop, nfs.start)
         for n in (1, 2, 3):
             assert block_file(root, n).exists()
     finally:

@@ -135,7 +135,26 @@ def _http_ok(port: int) -> bool:
         return False
 
 
-class MotoServer:
+class ServerProcess:
+    """Stop, pause and resume for a server that runs as one process,
+    ``self.proc`` (None while stopped)."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def stop(self) -> None:
+        kill_process(self.proc)
+        self.proc = None
+
+    def pause(self) -> None:
+        """Stops answering (SIGSTOP) until :meth:`resume`."""
+        assert self.proc is not None
+        pause_process(self.proc)
+
+    def resume(self) -> None:
+        resume_process(self.proc)
+
+
+class MotoServer(ServerProcess):
     """``moto_server`` on 127.0.0.1 (in-memory S3)."""
 
     def __init__(self, auth: bool = False, log_dir: Path | None = None) -> None:
@@ -227,22 +246,10 @@ class MotoServer:
         self.client().create_bucket(Bucket=name)
         return name
 
-    def stop(self) -> None:
-        kill_process(self.proc)
-        self.proc = None
-
     def restart(self) -> None:
         """Starts again on the same port (moto keeps nothing: buckets are gone)."""
         self.stop()
         self.start()
-
-    def pause(self) -> None:
-        """Stops answering (SIGSTOP) until :meth:`resume`."""
-        assert self.proc is not None
-        pause_process(self.proc)
-
-    def resume(self) -> None:
-        resume_process(self.proc)
 
     def close(self) -> None:
         self.stop()
@@ -262,7 +269,7 @@ _NS_INIT = (
 )
 
 
-class NfsServer:
+class NfsServer(ServerProcess):
     """NFS-Ganesha + rpcbind in private namespaces, exporting ``<dir>/export``."""
 
     NFS_PORT = 2049
@@ -299,9 +306,9 @@ class NfsServer:
             stderr=subprocess.DEVNULL,
         )
         time.sleep(0.2)
-        self.ganesha: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None  # Ganesha
         try:
-            self.start_ganesha()
+            self.start()
         except BaseException:
             self.close()  # never leave servers behind a failed fixture
             raise
@@ -323,10 +330,10 @@ class NfsServer:
         namespace (threads started meanwhile stay there)."""
         return joined_netns(self.netns)
 
-    def start_ganesha(self) -> None:
+    def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.log.unlink()
-        self.ganesha = subprocess.Popen(
+        self.proc = subprocess.Popen(
             self.nsenter(
                 [
                     find_binary("ganesha.nfsd") or "ganesha.nfsd",
@@ -354,23 +361,12 @@ class NfsServer:
             if probe.returncode == 0:
                 time.sleep(0.2)
                 return
-            if self.ganesha.poll() is not None or time.monotonic() > until:
+            if self.proc.poll() is not None or time.monotonic() > until:
                 raise RuntimeError(f"ganesha did not start; see {self.log}")
             time.sleep(0.1)
 
-    def stop_ganesha(self) -> None:
-        kill_process(self.ganesha)
-        self.ganesha = None
-
-    def pause(self) -> None:
-        assert self.ganesha is not None
-        pause_process(self.ganesha)
-
-    def resume(self) -> None:
-        resume_process(self.ganesha)
-
     def close(self) -> None:
-        self.stop_ganesha()
+        self.stop()
         for p in (self.rpcbind, self.holder):
             p.kill()
             p.wait(timeout=10)
