@@ -216,13 +216,9 @@ def test_missing_export_and_bad_options_fail_at_start(nfs: NfsServer) -> None:
 
 
 def test_config_validation() -> None:
-    base = {
-        "store_pipeline": "Cache|NFS",
-        "storage_backends": "nfs://server/export/kv",
-        "block_size": SHARD * SHARDS,
-        "shard_size": SHARD,
-        "nfs_mount_options": "rw,sync",
-    }
+    base = remote_config(
+        "Cache|NFS", {"storage_backends": "nfs://server/export/kv"}, nfs_mount_options="rw,sync"
+    )
     cfg = PipelineStoreConfig.from_dict(base)
     assert [name for name, _ in cfg.stages] == ["Cache", "NFS"]
     for bad, key in (

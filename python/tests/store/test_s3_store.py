@@ -261,12 +261,7 @@ def test_no_credentials_names_the_real_cause(
 
 
 def test_config_validation_names_the_key() -> None:
-    base = {
-        "store_pipeline": "Cache|S3",
-        "storage_backends": "s3://kvb/prefix",
-        "block_size": SHARD * SHARDS,
-        "shard_size": SHARD,
-    }
+    base = remote_config("Cache|S3", {"storage_backends": "s3://kvb/prefix"})
     cfg = PipelineStoreConfig.from_dict(base)
     assert [name for name, _ in cfg.stages] == ["Cache", "S3"]
     assert PipelineStoreConfig.from_dict({**base, "store_pipeline": "Cache|Ds3fs"})

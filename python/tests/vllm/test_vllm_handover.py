@@ -22,13 +22,9 @@ from ucm.integration.vllm.handover import Handover
 class PDRequest(FakeRequest):
     kv_transfer_params: dict[str, Any] | None = None
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.tokens
+    # Nothing is decoded in these tests: the prompt is all the tokens.
+    num_prompt_tokens = FakeRequest.num_tokens
+    prompt_token_ids = FakeRequest.all_token_ids
 
 
 def run_worker(side: Side, meta: Any) -> None:
