@@ -159,7 +159,7 @@ def run_case(tokens: int, batch: int, shape: Shape, ratios: list[float], device:
 
         def gsa_pick(codes=codes, keep=keep, enc=enc):
             qc = enc.encode_query(q, shape.kv_heads)
-            return gsa_select(qc, codes, table, seq_lens, keep, impl="triton")
+            return gsa_select(selection.HammingBatch(qc, codes, table, seq_lens), keep, "triton")
 
         t_score = bench(gsa_pick, device, reps)
         new_table, new_lens, _ = gsa_pick()

@@ -158,7 +158,8 @@ def select_gsa(case: SparseCase, ratio: float) -> list[int]:
     codes = enc.encode(kc.reshape(-1, h, d)).reshape(*kc.shape[:3], -1)
     qc = enc.encode_query(case.queries[-1:], h)
     keep = torch.tensor([math.ceil(ratio * case.num_blocks)])
-    _, _, chosen = gsa_select(qc, codes, ids[None], torch.tensor([case.seq_len]), keep, impl=IMPL)
+    batch = selection.HammingBatch(qc, codes, ids[None], torch.tensor([case.seq_len]))
+    _, _, chosen = gsa_select(batch, keep, impl=IMPL)
     return [int(x) for x in chosen[0] if x >= 0]
 
 

@@ -37,8 +37,9 @@ def test_delta_rope_cpu_layout(is_neox: bool, d: int, rot: int, assert_close) ->
     deltas = torch.tensor([17, -40, 900])
     ntok = torch.tensor([32, 9, 1])  # full, partial, one token
     v_before = cpu_kv_cache_views(kv)[1].clone()
-    launchers.delta_rope(k, ids, deltas, cs, is_neox, ntok)
-    ref.delta_rope(expected, ids, deltas, cs, is_neox, ntok)
+    rotation = ref.BlockRotation(ids, deltas, cs, is_neox, ntok)
+    launchers.delta_rope(k, rotation)
+    ref.delta_rope(expected, rotation)
     assert_close(k, expected, torch.float32)
     assert torch.equal(cpu_kv_cache_views(kv)[1], v_before)  # V untouched
     assert torch.equal(k[0, 9:], expected[0, 9:])  # past num_tokens untouched
@@ -53,8 +54,9 @@ def test_delta_rope_half_dtypes_odd_block(dtype: torch.dtype, assert_close) -> N
     cs = rope_cos_sin_cache(d, 512, dtype=dtype)
     ids = torch.tensor([1, 4, 2])
     deltas = torch.randint(-200, 200, (3, b))  # one delta per token
-    launchers.delta_rope(k, ids, deltas, cs, True)
-    ref.delta_rope(expected, ids, deltas, cs, True)
+    rotation = ref.BlockRotation(ids, deltas, cs, True)
+    launchers.delta_rope(k, rotation)
+    ref.delta_rope(expected, rotation)
     assert k.dtype == dtype
     assert_close(k, expected, dtype)
 
@@ -100,12 +102,14 @@ def test_delta_rope_validation() -> None:
     k = torch.randn(4, 8, 2, 32)
     cs = rope_cos_sin_cache(32, 64)
     with pytest.raises(ValueError, match="outside the rotary table"):
-        launchers.delta_rope(k, torch.tensor([0]), torch.tensor([-64]), cs)
+        launchers.delta_rope(k, ref.BlockRotation(torch.tensor([0]), torch.tensor([-64]), cs))
     with pytest.raises(ValueError, match="distinct"):
-        launchers.delta_rope(k, torch.tensor([1, 1]), torch.tensor([1, 2]), cs)
+        launchers.delta_rope(k, ref.BlockRotation(torch.tensor([1, 1]), torch.tensor([1, 2]), cs))
+    cs64 = rope_cos_sin_cache(64, 8)  # rot_dim 64 > head dim 32
     with pytest.raises(ValueError, match="rot_dim"):
-        launchers.delta_rope(k, torch.tensor([0]), torch.tensor([1]), rope_cos_sin_cache(64, 8))
-    launchers.delta_rope(k, torch.zeros(0, dtype=torch.long), torch.zeros(0), cs)  # no-op
+        launchers.delta_rope(k, ref.BlockRotation(torch.tensor([0]), torch.tensor([1]), cs64))
+    no_blocks = ref.BlockRotation(torch.zeros(0, dtype=torch.long), torch.zeros(0), cs)
+    launchers.delta_rope(k, no_blocks)  # no-op
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,6 +17,7 @@ import torch
 
 from ucm.sparse.kernels.attention import launchers
 from ucm.sparse.kernels.attention import reference as attention_ref
+from ucm.sparse.kernels.attention.reference import AttentionBatch
 from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
 from ucm.sparse.kernels.triton_utils import HAS_TRITON
 from ucm.sparse.rerope import reference as ref
@@ -65,20 +66,26 @@ def sequence_case(
     )
 
 
-def prefill(c: dict, n: int, w: int | None, **kw) -> torch.Tensor:
-    qsl = torch.tensor([0, n])
-    return launchers.paged_prefill_attention(
-        c["q_rot"],
+def case_batch(c: dict, n: int, w: int | None, last: bool = False) -> AttentionBatch:
+    """The case's ``n`` queries as one sequence (``last``: only its last query, decode)."""
+    rows = slice(-1, None) if last else slice(None)
+    qsl = None if last else torch.tensor([0, n])
+    q, q_w = c["q_rot"][rows], c["q_w"][rows]
+    return AttentionBatch(
+        q,
         c["kc"],
         c["vc"],
         c["table"],
         torch.tensor([n]),
         qsl,
-        q_w=c["q_w"],
+        q_w=q_w,
         k2_cache=c["k2c"],
         window=w,
-        **kw,
     )
+
+
+def prefill(c: dict, n: int, w: int | None) -> torch.Tensor:
+    return launchers.paged_prefill_attention(case_batch(c, n, w))
 
 
 def test_within_window_is_rope_attention(assert_close) -> None:
@@ -100,16 +107,7 @@ def test_within_window_is_rope_attention(assert_close) -> None:
     plain = prefill(c, n, None)
     assert_close(prefill(c, n, 64), plain, torch.float32)
     assert_close(plain, sdpa, torch.float32)
-    dec = launchers.paged_decode_attention(
-        c["q_rot"][-1:],
-        c["kc"],
-        c["vc"],
-        c["table"],
-        torch.tensor([n]),
-        q_w=c["q_w"][-1:],
-        k2_cache=c["k2c"],
-        window=n,
-    )
+    dec = launchers.paged_decode_attention(case_batch(c, n, n, last=True))
     assert_close(dec, sdpa[-1:], torch.float32)
 
 
@@ -119,17 +117,7 @@ def test_beyond_window_prefill(g: int, d: int, assert_close) -> None:
     n, w = 83, 20  # partial last block (83 = 5 * 16 + 3)
     c = sequence_case(n, g, d, w, train=32)  # log-n scaling active past position 31
     out = prefill(c, n, w)
-    expected = attention_ref.paged_attention(
-        c["q_rot"],
-        c["kc"],
-        c["vc"],
-        c["table"],
-        torch.tensor([n]),
-        torch.tensor([0, n]),
-        q_w=c["q_w"],
-        k2_cache=c["k2c"],
-        window=w,
-    )
+    expected = attention_ref.paged_attention(case_batch(c, n, w))
     assert_close(out, expected, torch.float32)
     definition = ref.rerope_attention_dense(c["q"], c["k"], c["v"], c["cs"], w, 32)
     torch.testing.assert_close(out, definition, atol=1e-4, rtol=1e-4)
@@ -145,25 +133,24 @@ def test_decode_kernel(w: int, splits: int, assert_close) -> None:
     kc, k2c, vc = (torch.randn(nb, b, H_KV, d) for _ in range(3))
     table = torch.stack([torch.randperm(nb)[:9] for _ in range(s)]).to(torch.int32)
     q, q_w = torch.randn(s, H_KV * g, d), torch.randn(s, H_KV * g, d)
-    out = launchers.paged_decode_attention(
-        q, kc, vc, table, lens, q_w=q_w, k2_cache=k2c, window=w, num_splits=splits
-    )
-    expected = attention_ref.paged_attention(
+    one_each = AttentionBatch(
         q, kc, vc, table, lens, torch.arange(s + 1), q_w=q_w, k2_cache=k2c, window=w
     )
+    out = launchers.paged_decode_attention(one_each, num_splits=splits)
+    expected = attention_ref.paged_attention(one_each)
     assert_close(out, expected, torch.float32)
-    # the same queries through the prefill kernel (one token per sequence)
-    pre = launchers.paged_prefill_attention(
-        q, kc, vc, table, lens, torch.arange(s + 1), q_w=q_w, k2_cache=k2c, window=w
-    )
+    # the same queries through the prefill launch (one token per sequence)
+    pre = launchers.paged_prefill_attention(one_each)
     assert_close(pre, expected, torch.float32)
     del cs
 
 
-def test_chunked_prefill_mixed_batch_odd_block(assert_close) -> None:
+@pytest.mark.parametrize("b", [24, 64])
+def test_chunked_prefill_mixed_batch_odd_block(b: int, assert_close) -> None:
     """Queries that are the tail of longer sequences (cached context), a decode row,
-    an empty query, explicit non-contiguous positions; block size 24."""
-    g, d, b, nb = 2, 64, 24, 20
+    an empty query, explicit non-contiguous positions; block size 24 (key tiles
+    across blocks) and 64 (two key tiles per block)."""
+    g, d, nb = 2, 64, 20
     kc, k2c, vc = (torch.randn(nb, b, H_KV, d) for _ in range(3))
     lens = torch.tensor([100, 7, 60, 33])
     qlens = torch.tensor([30, 7, 0, 1])
@@ -172,19 +159,16 @@ def test_chunked_prefill_mixed_batch_odd_block(assert_close) -> None:
     table = torch.stack([torch.randperm(nb)[:5] for _ in range(4)]).to(torch.int32)
     q, q_w = torch.randn(t, H_KV * g, d), torch.randn(t, H_KV * g, d)
     for w in (None, 9):
-        out = launchers.paged_prefill_attention(
-            q, kc, vc, table, lens, qsl, q_w=q_w, k2_cache=k2c, window=w
-        )
-        exp = attention_ref.paged_attention(
-            q, kc, vc, table, lens, qsl, q_w=q_w, k2_cache=k2c, window=w
-        )
+        batch = AttentionBatch(q, kc, vc, table, lens, qsl, q_w=q_w, k2_cache=k2c, window=w)
+        out = launchers.paged_prefill_attention(batch)
+        exp = attention_ref.paged_attention(batch)
         assert_close(out, exp, torch.float32)
     # Blend-style rows: a non-contiguous subset of a prompt at its true positions
     pos = torch.tensor([3, 10, 11, 40, 41, 42, 77, 99])
     qsub = torch.randn(8, H_KV * g, d)
-    one = dict(block_table=table[:1], seq_lens=lens[:1], query_start_loc=torch.tensor([0, 8]))
-    out = launchers.paged_prefill_attention(qsub, kc, vc, q_positions=pos, **one)
-    exp = attention_ref.paged_attention(qsub, kc, vc, q_positions=pos, **one)
+    one = AttentionBatch(qsub, kc, vc, table[:1], lens[:1], torch.tensor([0, 8]), q_positions=pos)
+    out = launchers.paged_prefill_attention(one)
+    exp = attention_ref.paged_attention(one)
     assert_close(out, exp, torch.float32)
 
 
@@ -194,28 +178,9 @@ def test_half_dtypes(dtype: torch.dtype, assert_close) -> None:
     c = sequence_case(n, g, d, w, b=32, train=16, dtype=dtype)
     out = prefill(c, n, w)
     assert out.dtype == dtype
-    exp = attention_ref.paged_attention(
-        c["q_rot"],
-        c["kc"],
-        c["vc"],
-        c["table"],
-        torch.tensor([n]),
-        torch.tensor([0, n]),
-        q_w=c["q_w"],
-        k2_cache=c["k2c"],
-        window=w,
-    )
+    exp = attention_ref.paged_attention(case_batch(c, n, w))
     assert_close(out, exp, dtype)
-    dec = launchers.paged_decode_attention(
-        c["q_rot"][-1:],
-        c["kc"],
-        c["vc"],
-        c["table"],
-        torch.tensor([n]),
-        q_w=c["q_w"][-1:],
-        k2_cache=c["k2c"],
-        window=w,
-    )
+    dec = launchers.paged_decode_attention(case_batch(c, n, w, last=True))
     assert_close(dec, exp[-1:], dtype)
 
 
@@ -247,10 +212,10 @@ def test_launcher_checks() -> None:
         torch.tensor([0, 3]),
     )
     with pytest.raises(ValueError, match="q_w and k2_cache"):
-        launchers.paged_prefill_attention(*args, window=4)
+        launchers.paged_prefill_attention(AttentionBatch(*args, window=4))
     with pytest.raises(ValueError, match="head dim"):
-        launchers.paged_prefill_attention(torch.randn(3, 4, 32), *args[1:])
+        launchers.paged_prefill_attention(AttentionBatch(torch.randn(3, 4, 32), *args[1:]))
     with pytest.raises(ValueError, match="multiple"):
-        launchers.paged_prefill_attention(torch.randn(3, 3, 64), *args[1:])
+        launchers.paged_prefill_attention(AttentionBatch(torch.randn(3, 3, 64), *args[1:]))
     assert launchers.prefill_tiles(1) == (64, 64) and launchers.prefill_tiles(3) == (64, 21)
     assert launchers.prefill_tiles(128) == (128, 1)

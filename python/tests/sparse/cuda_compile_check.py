@@ -47,20 +47,24 @@ def compile_one(fn, pointers: dict[str, str], constexprs: dict[str, object], arc
 def variants():
     attn_ptrs = {
         "q_ptr": "*bf16", "qw_ptr": "*bf16", "k_ptr": "*bf16", "k2_ptr": "*bf16",
-        "v_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "qpos_ptr": "*i32",
-        "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+        "v_ptr": "*bf16", "out_ptr": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "qsl_ptr": "*i32", "qpos_ptr": "*i32", "part_ptr": "*fp32",
     }  # fmt: skip
-    attn = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=16,
-                NUM_SPLITS=16, REROPE=False, IEEE=False, UPCAST=False)  # fmt: skip
-    yield "paged_decode_split bf16", A.paged_decode_split_kernel, attn_ptrs, attn
+    decode = dict(GROUP=8, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
+                  BLOCK_N=16, NUM_SPLITS=16, ONE_QUERY=True, REROPE=False, IEEE=False,
+                  UPCAST=False)  # fmt: skip
+    # one block per key tile (a single block-table read per tile)
+    yield "paged_attention decode split bf16", A.paged_attention_kernel, attn_ptrs, decode
     fp32_ptrs = {k: ("*fp32" if v == "*bf16" else v) for k, v in attn_ptrs.items()}
-    attn32 = dict(attn, GROUP=4, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=32, BLOCK_N=32, IEEE=True)
-    yield "paged_decode_split fp32", A.paged_decode_split_kernel, fp32_ptrs, attn32
+    prefill = dict(decode, GROUP=4, HEAD_DIM=64, D_PAD=64, BLOCK_M=64, BLOCK_Q=16, BLOCK_N=32,
+                   NUM_SPLITS=1, ONE_QUERY=False, REROPE=True, IEEE=True)  # fmt: skip
+    # key tiles across blocks (a block-table read per token)
+    yield "paged_attention prefill rerope fp32", A.paged_attention_kernel, fp32_ptrs, prefill
     yield (
         "paged_decode_reduce",
         A.paged_decode_reduce_kernel,
-        {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16"},
-        dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=16, SPLITS_PAD=16),
+        {"part_ptr": "*fp32", "out_ptr": "*bf16"},
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=16, NUM_SPLITS_PAD=16),
     )
     yield (
         "block_repr",
@@ -84,7 +88,7 @@ def variants():
             "nreps_ptr": "*i32",
             "out_ptr": "*fp32",
         },
-        dict(NUM_KV_HEADS=8, GROUP=8, GROUP_PAD=8, HEAD_DIM=128, D_PAD=128, BLOCK_N=64),
+        dict(NUM_KV_HEADS=8, GROUP=8, GROUP_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_N=64),
     )
     yield (
         "kvstar_vote",
@@ -123,7 +127,9 @@ def variants():
             "seq_lens_ptr": "*i32",
             "out_ptr": "*i32",
         },
-        dict(NUM_KV_HEADS=8, WORDS=4, BLOCK_SIZE=16, B_PAD=16, BLOCK_NB=16, SINK=1, RECENT=4),
+        dict(
+            NUM_KV_HEADS=8, WORDS=4, BLOCK_SIZE=16, BLOCK_SIZE_PAD=16, BLOCK_NB=16, SINK=1, RECENT=4
+        ),
     )
 
 

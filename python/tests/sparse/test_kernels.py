@@ -16,6 +16,7 @@ from support.kernel_checks import assert_close
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.attention import launchers as attention_launchers
 from ucm.sparse.kernels.attention import reference as attention_ref
+from ucm.sparse.kernels.attention.reference import AttentionBatch
 from ucm.sparse.kernels.dispatch import choose_num_splits, dot_pad, triton_usable
 from ucm.sparse.kernels.selection import launchers
 from ucm.sparse.kernels.selection import reference as ref
@@ -48,8 +49,9 @@ def test_paged_decode_gqa_head_dims(g: int, d: int) -> None:
     q = torch.randn(3, H_KV * g, d)
     table = _tables(3, 6, nb)
     seq_lens = torch.tensor([16 * 6, 37, 1], dtype=torch.int32)  # full, partial tail, one key
-    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens)
-    assert_close(out, attention_ref.paged_decode_attention(q, k, v, table, seq_lens), torch.float32)
+    batch = AttentionBatch(q, k, v, table, seq_lens)
+    out = attention_launchers.paged_decode_attention(batch)
+    assert_close(out, attention_ref.paged_decode_attention(batch), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -59,9 +61,10 @@ def test_paged_decode_half_dtypes(dtype: torch.dtype) -> None:
     q = torch.randn(2, H_KV * g, d).to(dtype)
     table = _tables(2, 5, nb)
     seq_lens = torch.tensor([150, 33], dtype=torch.int32)
-    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens)
+    batch = AttentionBatch(q, k, v, table, seq_lens)
+    out = attention_launchers.paged_decode_attention(batch)
     assert out.dtype == dtype
-    assert_close(out, attention_ref.paged_decode_attention(q, k, v, table, seq_lens), dtype)
+    assert_close(out, attention_ref.paged_decode_attention(batch), dtype)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -72,8 +75,9 @@ def test_paged_decode_splits_and_empty(splits: int) -> None:
     q = torch.randn(3, H_KV * 4, d)
     table = _tables(3, 4, nb)
     seq_lens = torch.tensor([50, 0, 64], dtype=torch.int32)
-    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens, num_splits=splits)
-    expected = attention_ref.paged_decode_attention(q, k, v, table, seq_lens)
+    batch = AttentionBatch(q, k, v, table, seq_lens)
+    out = attention_launchers.paged_decode_attention(batch, num_splits=splits)
+    expected = attention_ref.paged_decode_attention(batch)
     assert_close(out, expected, torch.float32)
     assert torch.count_nonzero(out[1]) == 0
 
@@ -84,10 +88,9 @@ def test_paged_decode_odd_block_size_and_scale() -> None:
     q = torch.randn(2, H_KV * 8, d)
     table = _tables(2, 5, nb)
     seq_lens = torch.tensor([24 * 4 + 7, 24], dtype=torch.int32)
-    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens, scale=0.3)
-    assert_close(
-        out, attention_ref.paged_decode_attention(q, k, v, table, seq_lens, 0.3), torch.float32
-    )
+    batch = AttentionBatch(q, k, v, table, seq_lens, scale=0.3)
+    out = attention_launchers.paged_decode_attention(batch)
+    assert_close(out, attention_ref.paged_decode_attention(batch), torch.float32)
 
 
 def test_paged_decode_reads_vllm_cpu_layout_in_place() -> None:
@@ -99,10 +102,12 @@ def test_paged_decode_reads_vllm_cpu_layout_in_place() -> None:
     q = torch.randn(2, h * 4, c)
     table = torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32)
     seq_lens = torch.tensor([80, 64], dtype=torch.int32)
-    out = attention_launchers.paged_decode_attention(q, k, v, table, seq_lens)
+    out = attention_launchers.paged_decode_attention(AttentionBatch(q, k, v, table, seq_lens))
     kc, vc = k.contiguous(), v.contiguous()
     assert_close(
-        out, attention_ref.paged_decode_attention(q, kc, vc, table, seq_lens), torch.float32
+        out,
+        attention_ref.paged_decode_attention(AttentionBatch(q, kc, vc, table, seq_lens)),
+        torch.float32,
     )
 
 
@@ -113,7 +118,7 @@ def test_paged_decode_over_selection_matches_gathered_dense() -> None:
     q = torch.randn(1, H_KV * g, d)
     selected = torch.tensor([[0, 7, 9, 19]], dtype=torch.int32)
     seq_len = torch.tensor([3 * b + 5], dtype=torch.int32)
-    out = attention_launchers.paged_decode_attention(q, k, v, selected, seq_len)
+    out = attention_launchers.paged_decode_attention(AttentionBatch(q, k, v, selected, seq_len))
     keys = k[selected[0].long()].reshape(-1, H_KV, d)[: int(seq_len)]
     vals = v[selected[0].long()].reshape(-1, H_KV, d)[: int(seq_len)]
     w = ref.dense_attention_weights(q[0], keys)  # [H_q, L]
@@ -150,8 +155,9 @@ def test_block_representatives(b: int, d: int, c: int | None, pruned: bool) -> N
     channels = None
     if pruned:
         channels = torch.stack([torch.randperm(d)[: d // 4] for _ in range(H_KV)]).to(torch.int32)
-    got = launchers.block_representatives(k, ids, ntok, c, channels)
-    want = ref.block_representatives(k, ids, ntok, c, channels)
+    blocks = ref.KeyBlocks(k, ids, ntok, c, channels)
+    got = launchers.block_representatives(blocks)
+    want = ref.block_representatives(blocks)
     m = math.ceil(b / (c or b))
     assert got.shape == (4, m, H_KV, d // 4 if pruned else d)
     assert_close(got, want, torch.float32)
@@ -162,8 +168,9 @@ def test_block_representatives_half_and_strided() -> None:
     k, _ = cpu_kv_cache_views(layer)
     ids = torch.tensor([1, 3])
     ntok = torch.tensor([16, 16])
-    got = launchers.block_representatives(k, ids, ntok)
-    assert_close(got, ref.block_representatives(k.contiguous(), ids, ntok), torch.float32)
+    got = launchers.block_representatives(ref.KeyBlocks(k, ids, ntok))
+    want = ref.block_representatives(ref.KeyBlocks(k.contiguous(), ids, ntok))
+    assert_close(got, want, torch.float32)
 
 
 # --------------------------------------------------------------------------- ESA scores
@@ -176,8 +183,9 @@ def test_block_scores_dot(g: int, d: int) -> None:
     q = torch.randn(3, H_KV * g, d)
     table = torch.randint(0, 40, (3, 70), dtype=torch.int32)
     num = torch.tensor([70, 13, 0], dtype=torch.int32)
-    got = launchers.block_scores_dot(q, pool, table, num)
-    want = ref.block_scores_dot(q, pool, table, num)
+    cands = ref.Candidates(pool, table, num)
+    got = launchers.block_scores_dot(q, cands)
+    want = ref.block_scores_dot(q, cands)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
     assert_close(got[fin], want[fin], torch.float32)
@@ -188,8 +196,9 @@ def test_block_scores_dot_fewer_query_heads_and_fp16() -> None:
     q = torch.randn(2, 2, 64).half()  # 2 query heads, 4 kv heads: repeated
     table = torch.arange(10, dtype=torch.int32).repeat(2, 1)
     num = torch.tensor([10, 6])
-    got = launchers.block_scores_dot(q, pool, table, num)
-    want = ref.block_scores_dot(q, pool, table, num)
+    cands = ref.Candidates(pool, table, num)
+    got = launchers.block_scores_dot(q, cands)
+    want = ref.block_scores_dot(q, cands)
     fin = torch.isfinite(want)
     assert_close(got[fin], want[fin], torch.float16)
 
@@ -207,8 +216,9 @@ def test_kvstar_vote(g: int, d: int) -> None:
     num = torch.tensor([37, 5], dtype=torch.int32)
     ch = torch.stack([torch.randperm(d)[:dp] for _ in range(2 * H_KV)]).reshape(2, H_KV, dp)
     scale = 1 / math.sqrt(d)
-    got = launchers.kvstar_vote_scores(q, pool, table, num, ch, scale)
-    want = ref.kvstar_vote_scores(q, pool, table, num, ch, scale)
+    cands = ref.Candidates(pool, table, num)
+    got = launchers.kvstar_vote_scores(q, cands, ch, scale)
+    want = ref.kvstar_vote_scores(q, cands, ch, scale)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
     assert_close(got[fin], want[fin], torch.float32)
@@ -266,8 +276,9 @@ def test_block_scores_hamming(h: int, w: int, b: int) -> None:
     q = torch.randint(-(2**31), 2**31 - 1, (4, h, w), dtype=torch.int32)
     table = _tables(4, 20, nb)
     seq_lens = torch.tensor([20 * b, 7 * b + 3, 2 * b, 0], dtype=torch.int32)
-    got = launchers.block_scores_hamming(q, codes, table, seq_lens, sink_blocks=1, recent_blocks=4)
-    want = ref.block_scores_hamming(q, codes, table, seq_lens, 1, 4)
+    batch = ref.HammingBatch(q, codes, table, seq_lens, sink_blocks=1, recent_blocks=4)
+    got = launchers.block_scores_hamming(batch)
+    want = ref.block_scores_hamming(batch)
     assert torch.equal(got, want)
     assert got[0, 0] == selection.FORCED_SCORE and (got[0, 16:] == selection.FORCED_SCORE).all()
     assert (got[0, 1:16] >= 0).all()
@@ -281,9 +292,10 @@ def test_hamming_identical_code_scores_zero() -> None:
     q = codes[5, 3].clone().unsqueeze(0)  # the query equals one key's codes
     table = torch.arange(nb, dtype=torch.int32).unsqueeze(0)
     seq_lens = torch.tensor([nb * b])
-    got = launchers.block_scores_hamming(q, codes, table, seq_lens, sink_blocks=0, recent_blocks=0)
+    batch = ref.HammingBatch(q, codes, table, seq_lens, sink_blocks=0, recent_blocks=0)
+    got = launchers.block_scores_hamming(batch)
     assert got[0, 5] == 0
-    assert torch.equal(got, ref.block_scores_hamming(q, codes, table, seq_lens, 0, 0))
+    assert torch.equal(got, ref.block_scores_hamming(batch))
 
 
 # --------------------------------------------------------------------------- dispatcher
@@ -304,13 +316,14 @@ def test_dispatch_impls_agree_and_validate() -> None:
 
 def test_launcher_shape_errors() -> None:
     k = _cache(4, 16, 2, 64)
+    table = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple"):
         attention_launchers.paged_decode_attention(
-            torch.randn(1, 3, 64), k, k, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4])
+            AttentionBatch(torch.randn(1, 3, 64), k, k, table, torch.tensor([4]))
         )
     with pytest.raises(ValueError, match="head dim"):
         attention_launchers.paged_decode_attention(
-            torch.randn(1, 2, 32), k, k, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4])
+            AttentionBatch(torch.randn(1, 2, 32), k, k, table, torch.tensor([4]))
         )
     with pytest.raises(ValueError, match="power of two"):
         launchers.srp_encode(torch.randn(2, 2, 64), torch.randn(64, 48))

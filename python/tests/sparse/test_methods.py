@@ -14,7 +14,7 @@ from ucm.sparse import INVALID_SLOT, ESAConfig, GSAConfig, KVStarConfig, SparseM
 from ucm.sparse import UcmSparseRole as Role
 from ucm.sparse.esa import ESA, esa_representatives, esa_scores
 from ucm.sparse.gsa import GSA, SRPHashEncoder, gsa_select
-from ucm.sparse.kernels import attention
+from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kvstar import KVStar, kvstar_channels
 from ucm.sparse.offload import OffloadPlan, topk_sorted
 from ucm.testing.synthetic import planted_case, random_llama_case
@@ -242,7 +242,8 @@ def test_gsa_select_planted_and_forced_blocks() -> None:
     enc.write_keys(c.k, codes, slots)
     qc = enc.encode_query(c.queries[-1:], H_KV)
     keep = torch.tensor([8])
-    table, lens, chosen = gsa_select(qc, codes, row[None], torch.tensor([c.seq_len]), keep)
+    batch = selection.HammingBatch(qc, codes, row[None], torch.tensor([c.seq_len]))
+    table, lens, chosen = gsa_select(batch, keep)
     picked = chosen[0][chosen[0] >= 0].tolist()
     n = c.num_blocks
     assert picked == sorted(picked) and len(picked) == 8
@@ -251,8 +252,7 @@ def test_gsa_select_planted_and_forced_blocks() -> None:
     assert table[0, :8].tolist() == row[picked].tolist()
     assert int(lens[0]) == c.seq_len - (n - 8) * B
     # too small a budget still keeps the forced blocks (and so the partial tail)
-    _, _, chosen2 = gsa_select(qc, codes, row[None], torch.tensor([c.seq_len]),
-                                   torch.tensor([2]))  # fmt: skip
+    _, _, chosen2 = gsa_select(batch, torch.tensor([2]))
     assert (chosen2[0] >= 0).sum() == 5 and chosen2[0, 4] == n - 1
 
 

@@ -80,21 +80,14 @@ class SRPHashEncoder:
 
 
 def gsa_select(
-    q_codes: torch.Tensor,
-    code_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    keep_blocks: torch.Tensor,
-    sink_blocks: int = 1,
-    recent_blocks: int = 4,
-    impl: Impl = "auto",
+    batch: selection.HammingBatch, keep_blocks: torch.Tensor, impl: Impl = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Selected blocks of a batch, in original order.
 
     Args:
-        q_codes: ``[S, H_kv, W]`` query codes.
-        code_cache: ``[num_blocks, B, H_kv, W]`` key codes.
-        block_table, seq_lens: the dense batch (``[S, max_blocks]``, ``[S]``).
+        batch: the query codes, the key code cache, the dense batch
+            (``block_table`` ``[S, max_blocks]``, ``seq_lens`` ``[S]``) and
+            the forced sink and recent blocks.
         keep_blocks: ``[S]`` blocks to keep per sequence (raised to cover the
             forced blocks, capped at the sequence's blocks).
 
@@ -104,14 +97,13 @@ def gsa_select(
         original entries), the shortened lengths, and the logical indices of
         the selected blocks ``[S, max_blocks]`` (-1 padded).
     """
+    block_table, seq_lens = batch.block_table, batch.seq_lens
     _s, max_blocks = block_table.shape
-    b = code_cache.shape[1]
+    b = batch.k_code_cache.shape[1]
     dev = block_table.device
-    scores = selection.block_scores_hamming(
-        q_codes, code_cache, block_table, seq_lens, sink_blocks, recent_blocks, impl=impl
-    ).to(dev)
+    scores = selection.hamming_scores(batch, impl).to(dev)
     nb = (seq_lens.to(dev).long() + b - 1) // b
-    forced = torch.clamp(torch.full_like(nb, sink_blocks + recent_blocks), max=nb)
+    forced = torch.clamp(torch.full_like(nb, batch.sink_blocks + batch.recent_blocks), max=nb)
     keep = torch.minimum(torch.maximum(keep_blocks.to(dev).long(), forced), nb)
     order = torch.sort(scores.long(), dim=1, stable=True).indices  # best first
     rank = torch.arange(max_blocks, device=dev).unsqueeze(0)
@@ -253,16 +245,11 @@ class GSA(UcmSparseBase):
         cache = self.code_caches[layer]
         q_codes = self.encoder.encode_query(query, cache.shape[2])
         keep = torch.tensor([self.keep_blocks(int(x)) for x in seq_lens], dtype=torch.long)
-        table, lens, _ = gsa_select(
-            q_codes,
-            cache,
-            block_table,
-            seq_lens,
-            keep,
-            self.config.sink_blocks,
-            self.config.recent_blocks,
-            self.impl,
+        c = self.config
+        batch = selection.HammingBatch(
+            q_codes, cache, block_table, seq_lens, c.sink_blocks, c.recent_blocks
         )
+        table, lens, _ = gsa_select(batch, keep, self.impl)
         self._last_selection = (table, lens)
         return self._last_selection
 

@@ -91,6 +91,21 @@ def dot_pad(n: int) -> int:
     return max(MIN_DOT, next_power_of_2(n))
 
 
+def strides_of(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """Every stride of each tensor in turn: how a kernel takes its operands' layouts."""
+    return tuple(x for t in tensors for x in t.stride())
+
+
+def with_pads(**sizes: int) -> dict[str, int]:
+    """Constexpr sizes with their tile sizes: each ``NAME=n`` and
+    ``NAME_PAD=next_power_of_2(n)`` (``tl.arange`` lengths are powers of two)."""
+    out: dict[str, int] = {}
+    for name, n in sizes.items():
+        out[name] = n
+        out[f"{name}_PAD"] = next_power_of_2(n)
+    return out
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_blocks: int, target_programs: int = 256
 ) -> int:
@@ -117,6 +132,8 @@ __all__ = [
     "launchers_of",
     "require",
     "softmax_scale",
+    "strides_of",
     "triton_usable",
     "use_triton",
+    "with_pads",
 ]

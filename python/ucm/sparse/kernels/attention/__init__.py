@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ucm.sparse.kernels.attention import reference
-from ucm.sparse.kernels.attention.reference import default_q_positions, write_kv
+from ucm.sparse.kernels.attention.reference import AttentionBatch, default_q_positions, write_kv
 from ucm.sparse.kernels.dispatch import Impl, launchers_of, use_triton
 
 _launchers = launchers_of(__name__)
@@ -29,11 +29,10 @@ def paged_decode_attention(
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``[S, H_q, D]`` decode attention over paged (selected) blocks (see the reference)."""
+    batch = AttentionBatch(q, k_cache, v_cache, block_table, seq_lens, scale=scale)
     if use_triton(impl, q):
-        return _launchers.paged_decode_attention(
-            q, k_cache, v_cache, block_table, seq_lens, None, scale
-        )
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+        return _launchers.paged_decode_attention(batch)
+    return reference.paged_decode_attention(batch)
 
 
 def paged_attention(
@@ -56,12 +55,24 @@ def paged_attention(
     """Position-causal (ReRoPE when ``window`` is set) attention over paged KV.
 
     See :func:`ucm.sparse.kernels.attention.reference.paged_attention`. Decode-only
-    batches (every sequence one query token) use the split-K decode kernel.
+    batches (every sequence one query token) use the split-K decode launch.
     """
-    cache = (k_cache, v_cache, block_table, seq_lens)
-    rerope = {"q_w": q_w, "k2_cache": k2_cache, "window": window, "out": out}
+    batch = AttentionBatch(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        q_positions,
+        scale,
+        q_w=q_w,
+        k2_cache=k2_cache,
+        window=window,
+        out=out,
+    )
     if not use_triton(impl, q):
-        return reference.paged_attention(q, *cache, query_start_loc, q_positions, scale, **rerope)
+        return reference.paged_attention(batch)
     decode_only = q.shape[0] == seq_lens.numel()
     if decode_only:
         if max_query_len is None:
@@ -70,13 +81,12 @@ def paged_attention(
         else:
             decode_only = max_query_len == 1
     if decode_only:
-        return _launchers.paged_decode_attention(q, *cache, q_positions, scale, **rerope)
-    return _launchers.paged_prefill_attention(
-        q, *cache, query_start_loc, q_positions, scale, max_query_len=max_query_len, **rerope
-    )
+        return _launchers.paged_decode_attention(batch)
+    return _launchers.paged_prefill_attention(batch, max_query_len)
 
 
 __all__ = [
+    "AttentionBatch",
     "default_q_positions",
     "paged_attention",
     "paged_decode_attention",

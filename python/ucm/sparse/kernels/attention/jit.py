@@ -3,8 +3,11 @@
 Launchers: :mod:`ucm.sparse.kernels.attention.launchers`; specification:
 :mod:`ucm.sparse.kernels.attention.reference`.
 
-Per key tile both kernels decide from the tile's relative-position range
-which scores they need: a tile entirely inside the window computes only
+One kernel, :func:`paged_attention_kernel`, serves prefill (any query
+lengths) and decode (one query per sequence, optionally split over its keys
+flash-decoding style and combined by :func:`paged_decode_reduce_kernel`).
+Per key tile it decides from the tile's relative-position range which
+scores it needs: a tile entirely inside the window computes only
 ``S1 = q . k`` (the ordinary RoPE score), a tile entirely beyond it only
 ``S2 = q_w . k2``, and only the tiles on the window's edge compute both and
 pick per element (``q_pos - j < W``). Long prompts therefore cost about one
@@ -108,13 +111,14 @@ def _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE: tl.constexpr, UPCAST: 
 
 
 @triton.jit
-def paged_prefill_kernel(
+def paged_attention_kernel(
     q_ptr,
     qw_ptr,
     k_ptr,
     k2_ptr,
     v_ptr,
     out_ptr,
+    part_ptr,
     table_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -140,6 +144,10 @@ def paged_prefill_kernel(
     stride_ot,
     stride_oh,
     stride_od,
+    stride_pt,
+    stride_ph,
+    stride_pp,
+    stride_pd,
     stride_ts,
     stride_tn,
     scale,
@@ -151,25 +159,42 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ONE_QUERY: tl.constexpr,
     REROPE: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Grid ``(S, cdiv(max_q_len, BLOCK_Q), H_kv)``: ``BLOCK_Q`` query tokens x ``G`` heads.
+    """Grid ``(S, cdiv(max_q_len, BLOCK_Q) * NUM_SPLITS, H_kv)``: ``BLOCK_Q``
+    query tokens x ``G`` heads, over one split of their keys.
 
-    The ``BLOCK_M = BLOCK_Q * G`` rows of a program are the ``G`` query heads
-    of kv head ``h`` for ``BLOCK_Q`` consecutive query tokens of sequence
-    ``s`` (row ``m``: token ``m // G``, head ``h * G + m % G``), so every K/V
-    tile is loaded once for the whole GQA group. Keys ``0 .. max(q_pos)`` of
-    the sequence are visited in tiles of ``BLOCK_N`` tokens, each token found
-    through the block table; a key is visible to a row iff ``j <= q_pos``.
-    Online softmax in fp32; a row that sees no key gets 0.
+    The ``BLOCK_M >= BLOCK_Q * G`` rows of a program are the ``G`` query
+    heads of kv head ``h`` for ``BLOCK_Q`` consecutive query tokens of
+    sequence ``s`` (row ``m``: token ``m // G``, head ``h * G + m % G``), so
+    every K/V tile is loaded once for the whole GQA group. ``ONE_QUERY``: one
+    query per sequence (decode; token ``s``, no ``query_start_loc``). Keys
+    ``0 .. max(q_pos)`` of the sequence are visited in tiles of ``BLOCK_N``
+    tokens; a tile inside one block (``BLOCK_N`` divides ``BLOCK_SIZE``)
+    reads its block id once, any other tile per token. A key is visible to
+    a row iff ``j <= q_pos``. Online softmax in fp32; a row that sees no key
+    gets 0.
+
+    ``NUM_SPLITS > 1`` (flash-decoding): split ``p`` covers a contiguous
+    range of the tiles and writes its rows' partials ``[T, H_q, NUM_SPLITS,
+    HEAD_DIM + 2]``: the unnormalised ``acc``, then the running max ``m``
+    and the normaliser ``l``; :func:`paged_decode_reduce_kernel` combines
+    them into the output.
     """
     s = tl.program_id(0).to(tl.int64)
-    qt = tl.program_id(1)
+    qt = tl.program_id(1) // NUM_SPLITS
+    sp = tl.program_id(1) % NUM_SPLITS
     h = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(qsl_ptr + s).to(tl.int64)
-    q_len = (tl.load(qsl_ptr + s + 1).to(tl.int64) - q_start).to(tl.int32)
+    if ONE_QUERY:
+        q_start = s
+        q_len = 1
+    else:
+        q_start = tl.load(qsl_ptr + s).to(tl.int64)
+        q_len = (tl.load(qsl_ptr + s + 1).to(tl.int64) - q_start).to(tl.int32)
     if qt * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + s).to(tl.int32)
@@ -195,22 +220,36 @@ def paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # This split's share of the keys 0 .. kv_end, in whole tiles.
     kv_end = tl.minimum(seq_len, pos_max + 1)
+    per = (kv_end + BLOCK_N * NUM_SPLITS - 1) // (BLOCK_N * NUM_SPLITS) * BLOCK_N
+    lo = sp * per
+    hi = tl.minimum(kv_end, lo + per)
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
-        mask_n = j < kv_end
-        blk = tl.load(
-            table_ptr + s * stride_ts + (j // BLOCK_SIZE).to(tl.int64) * stride_tn,
-            mask=mask_n,
-            other=0,
-        ).to(tl.int64)
-        off = (j % BLOCK_SIZE).to(tl.int64)
+        mask_n = j < hi
+        if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block
+            blk = tl.load(table_ptr + s * stride_ts + (start // BLOCK_SIZE) * stride_tn).to(
+                tl.int64
+            )
+            off = (start % BLOCK_SIZE + offs_n).to(tl.int64)
+            blk_n = blk
+            blk_t = blk
+        else:
+            blk = tl.load(
+                table_ptr + s * stride_ts + (j // BLOCK_SIZE).to(tl.int64) * stride_tn,
+                mask=mask_n,
+                other=0,
+            ).to(tl.int64)
+            off = (j % BLOCK_SIZE).to(tl.int64)
+            blk_n = blk[None, :]
+            blk_t = blk[:, None]
         kmask = mask_d[:, None] & mask_n[None, :]
         # K tiles are [D, N], the V tile [N, D].
-        k_ptrs = _cache_ptrs(k_ptr, blk[None, :], off[None, :], h, offs_d[:, None],
+        k_ptrs = _cache_ptrs(k_ptr, blk_n, off[None, :], h, offs_d[:, None],
                              stride_kb, stride_kt, stride_kh, stride_kd)  # fmt: skip
-        k2_ptrs = _cache_ptrs(k2_ptr, blk[None, :], off[None, :], h, offs_d[:, None],
+        k2_ptrs = _cache_ptrs(k2_ptr, blk_n, off[None, :], h, offs_d[:, None],
                               stride_k2b, stride_k2t, stride_k2h, stride_k2d)  # fmt: skip
         rel = pos[:, None] - j[None, :]
         min_rel = pos_min - (start + BLOCK_N - 1)
@@ -220,179 +259,59 @@ def paged_prefill_kernel(
         )
         visible = (rel >= 0) & mask_n[None, :] & mask_m[:, None]
         sc = tl.where(visible, sc * scale, float("-inf"))
-        v_ptrs = _cache_ptrs(v_ptr, blk[:, None], off[:, None], h, offs_d[None, :],
+        v_ptrs = _cache_ptrs(v_ptr, blk_t, off[:, None], h, offs_d[None, :],
                              stride_vb, stride_vt, stride_vh, stride_vd)  # fmt: skip
         vmask = mask_n[:, None] & mask_d[None, :]
         m_i, l_i, acc = _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE, UPCAST)
-    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(
-        out_ptr
-        + row[:, None] * stride_ot
-        + head[:, None] * stride_oh
-        + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=qmask,
-    )
-
-
-@triton.jit
-def paged_decode_split_kernel(
-    q_ptr,
-    qw_ptr,
-    k_ptr,
-    k2_ptr,
-    v_ptr,
-    table_ptr,
-    seq_lens_ptr,
-    qpos_ptr,
-    acc_ptr,
-    m_ptr,
-    l_ptr,
-    stride_qs,
-    stride_qh,
-    stride_qd,
-    stride_ws,
-    stride_wh,
-    stride_wd,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_k2b,
-    stride_k2t,
-    stride_k2h,
-    stride_k2d,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ts,
-    stride_tn,
-    stride_as,
-    stride_ah,
-    stride_ap,
-    stride_ad,
-    stride_ms,
-    stride_mh,
-    stride_mp,
-    scale,
-    window,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    REROPE: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Grid ``(S, H_kv, NUM_SPLITS)``: flash-decoding partials of one GQA group.
-
-    One query per sequence (``q[s]`` at position ``q_pos[s]``, keys
-    ``0 .. min(seq_len, q_pos + 1)``). Split ``p`` covers a contiguous range
-    of the sequence's blocks, one block per tile, and writes the unnormalised
-    ``acc``, running max ``m`` and normaliser ``l`` of the ``G`` heads;
-    :func:`paged_decode_reduce_kernel` combines them.
-    """
-    s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    sp = tl.program_id(2)
-    pos = tl.load(qpos_ptr + s).to(tl.int32)
-    kv_len = tl.minimum(tl.load(seq_lens_ptr + s).to(tl.int32), pos + 1)
-    nb = (kv_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    per = (nb + NUM_SPLITS - 1) // NUM_SPLITS
-    start_b = sp * per
-    end_b = tl.minimum(nb, start_b + per)
-    offs_g = tl.arange(0, GROUP_PAD)
-    mask_g = offs_g < GROUP
-    offs_d = tl.arange(0, D_PAD)
-    mask_d = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    off = offs_n.to(tl.int64)  # token offsets inside a block (a tile is one block)
-    heads = h * GROUP + offs_g
-    qmask = mask_g[:, None] & mask_d[None, :]
-    q, qw = _load_queries(
-        q_ptr + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        qw_ptr + s * stride_ws + heads[:, None] * stride_wh + offs_d[None, :] * stride_wd,
-        qmask,
-        k_ptr,
-        REROPE,
-        UPCAST,
-    )
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for jb in range(start_b, end_b):
-        blk = tl.load(table_ptr + s * stride_ts + jb * stride_tn).to(tl.int64)
-        j = jb * BLOCK_SIZE + offs_n
-        mask_n = (offs_n < BLOCK_SIZE) & (j < kv_len)
-        kmask = mask_d[:, None] & mask_n[None, :]
-        # K tiles are [D, N], the V tile [N, D].
-        k_ptrs = _cache_ptrs(k_ptr, blk, off[None, :], h, offs_d[:, None],
-                             stride_kb, stride_kt, stride_kh, stride_kd)  # fmt: skip
-        k2_ptrs = _cache_ptrs(k2_ptr, blk, off[None, :], h, offs_d[:, None],
-                              stride_k2b, stride_k2t, stride_k2h, stride_k2d)  # fmt: skip
-        rel = pos - j[None, :]
-        min_rel = pos - (jb * BLOCK_SIZE + BLOCK_SIZE - 1)
-        max_rel = pos - jb * BLOCK_SIZE
-        sc = _scores(
-            q, qw, k_ptrs, k2_ptrs, kmask, rel, window, min_rel, max_rel, REROPE, IEEE, UPCAST
-        )
-        sc = tl.where(mask_n[None, :], sc * scale, float("-inf"))
-        v_ptrs = _cache_ptrs(v_ptr, blk, off[:, None], h, offs_d[None, :],
-                             stride_vb, stride_vt, stride_vh, stride_vd)  # fmt: skip
-        vmask = mask_n[:, None] & mask_d[None, :]
-        m_i, l_i, acc = _softmax_step(sc, v_ptrs, vmask, m_i, l_i, acc, IEEE, UPCAST)
-    a_ptrs = acc_ptr + s * stride_as + heads[:, None] * stride_ah + sp * stride_ap
-    tl.store(a_ptrs + offs_d[None, :] * stride_ad, acc, mask=qmask)
-    ml_off = s * stride_ms + heads * stride_mh + sp * stride_mp
-    tl.store(m_ptr + ml_off, m_i, mask=mask_g)
-    tl.store(l_ptr + ml_off, l_i, mask=mask_g)
+    if NUM_SPLITS == 1:
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        o_ptrs = out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(o_ptrs + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        p_ptrs = part_ptr + row * stride_pt + head * stride_ph + sp * stride_pp
+        tl.store(p_ptrs[:, None] + offs_d[None, :] * stride_pd, acc, mask=qmask)
+        tl.store(p_ptrs + HEAD_DIM * stride_pd, m_i, mask=mask_m)
+        tl.store(p_ptrs + (HEAD_DIM + 1) * stride_pd, l_i, mask=mask_m)
 
 
 @triton.jit
 def paged_decode_reduce_kernel(
-    acc_ptr,
-    m_ptr,
-    l_ptr,
+    part_ptr,
     out_ptr,
-    stride_as,
-    stride_ah,
-    stride_ap,
-    stride_ad,
-    stride_ms,
-    stride_mh,
-    stride_mp,
-    stride_os,
+    stride_pt,
+    stride_ph,
+    stride_pp,
+    stride_pd,
+    stride_ot,
     stride_oh,
     stride_od,
     HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr,
 ):
-    """Grid ``(S, H_q)``: combines the split partials into the output (0 if no keys)."""
-    s = tl.program_id(0).to(tl.int64)
+    """Grid ``(T, H_q)``: combines the split partials (``acc | m | l``, see
+    :func:`paged_attention_kernel`) into the output (0 if no keys)."""
+    t = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
-    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_p = tl.arange(0, NUM_SPLITS_PAD)
     mask_p = offs_p < NUM_SPLITS
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_d = offs_d < HEAD_DIM
-    ml_off = s * stride_ms + hq * stride_mh + offs_p * stride_mp
-    m = tl.load(m_ptr + ml_off, mask=mask_p, other=float("-inf"))
-    l_part = tl.load(l_ptr + ml_off, mask=mask_p, other=0.0)
+    p_ptrs = part_ptr + t * stride_pt + hq * stride_ph + offs_p * stride_pp
+    m = tl.load(p_ptrs + HEAD_DIM * stride_pd, mask=mask_p, other=float("-inf"))
+    l_part = tl.load(p_ptrs + (HEAD_DIM + 1) * stride_pd, mask=mask_p, other=0.0)
     m_max = tl.max(m, axis=0)
     m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
     live = m > float("-inf")
     w = tl.where(live, tl.exp(tl.where(live, m, m_ref) - m_ref), 0.0)
     total = tl.sum(w * l_part, axis=0)
-    a_ptrs = acc_ptr + s * stride_as + hq * stride_ah + offs_p[:, None] * stride_ap
     acc = tl.load(
-        a_ptrs + offs_d[None, :] * stride_ad, mask=mask_p[:, None] & mask_d[None, :], other=0.0
+        p_ptrs[:, None] + offs_d[None, :] * stride_pd,
+        mask=mask_p[:, None] & mask_d[None, :],
+        other=0.0,
     )
     num = tl.sum(acc * w[:, None], axis=0)
     out = tl.where(total > 0, num / tl.where(total > 0, total, 1.0), 0.0)
-    o_ptrs = out_ptr + s * stride_os + hq * stride_oh + offs_d * stride_od
+    o_ptrs = out_ptr + t * stride_ot + hq * stride_oh + offs_d * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)

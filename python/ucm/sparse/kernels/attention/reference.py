@@ -22,43 +22,81 @@ key are less than ``window`` positions apart and ``S2 = q_w . k2`` otherwise
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
+
 import torch
 
 from ucm.sparse.kernels.dispatch import softmax_scale
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class AttentionBatch:
+    """The operands of one attention call over paged KV (shapes in the module doc).
+
+    ``query_start_loc`` None: one query per sequence (decode). ``q_positions``
+    None: each sequence's last ``q_len`` positions. ``window`` set: ReRoPE,
+    which reads ``q_w`` and ``k2_cache`` too. ``out``: the ``[T, H_q, D]``
+    tensor to write (default: a new one). ``scale`` None: ``1/sqrt(D)``.
+    The public ops build one; the references and the launchers take it.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor | None = None
+    q_positions: torch.Tensor | None = None
+    scale: float | None = None
+    _: KW_ONLY
+    q_w: torch.Tensor | None = None
+    k2_cache: torch.Tensor | None = None
+    window: int | None = None
+    out: torch.Tensor | None = None
+
+    @property
+    def rerope(self) -> bool:
+        """Whether the scores are ReRoPE's two (``window`` is set)."""
+        return self.window is not None
+
+    def starts(self) -> torch.Tensor:
+        """``query_start_loc``, or ``0 .. S`` (one query per sequence)."""
+        if self.query_start_loc is not None:
+            return self.query_start_loc
+        return torch.arange(self.seq_lens.numel() + 1, device=self.seq_lens.device)
+
+    def positions(self) -> torch.Tensor:
+        """``q_positions``, or the default (:func:`default_q_positions`)."""
+        if self.q_positions is not None:
+            return self.q_positions
+        return default_q_positions(self.seq_lens, self.starts())
+
+
+def paged_decode_attention(batch: AttentionBatch) -> torch.Tensor:
     """Decode attention of one query per sequence over its paged blocks.
 
-    Args:
-        q: ``[S, H_q, D]``.
-        k_cache, v_cache: ``[num_blocks, B, H_kv, D]`` (any strides).
-        block_table: ``[S, max_blocks]`` int; only the first
-            ``ceil(seq_len / B)`` entries of a row are read.
-        seq_lens: ``[S]`` int keys of each sequence (0 gives a zero output).
-        scale: softmax scale, default ``1/sqrt(D)``.
+    Reads ``q`` ``[S, H_q, D]`` (the query at each sequence's last position),
+    the caches, ``block_table`` (only the first ``ceil(seq_len / B)``
+    entries of a row), ``seq_lens`` (0 gives a zero output) and ``scale``:
+    plain attention, no ReRoPE nor explicit positions.
 
     Returns:
         ``[S, H_q, D]`` in ``q.dtype`` (computed in fp32).
     """
+    if batch.rerope or batch.q_positions is not None:
+        raise ValueError("the decode reference is plain attention at the last positions")
+    q, k_cache, v_cache = batch.q, batch.k_cache, batch.v_cache
     s, h_q, d = q.shape
     b, h_kv = k_cache.shape[1], k_cache.shape[2]
     g = h_q // h_kv
-    scale = softmax_scale(d, scale)
+    scale = softmax_scale(d, batch.scale)
     out = torch.zeros(s, h_q, d, dtype=torch.float32, device=q.device)
     for i in range(s):
-        sl = int(seq_lens[i])
+        sl = int(batch.seq_lens[i])
         if sl == 0:
             continue
         nb = -(-sl // b)
-        blocks = block_table[i, :nb].long()
+        blocks = batch.block_table[i, :nb].long()
         k = k_cache[blocks].float().reshape(nb * b, h_kv, d)[:sl]
         v = v_cache[blocks].float().reshape(nb * b, h_kv, d)[:sl]
         k = k.repeat_interleave(g, dim=1)  # [L, H_q, D]
@@ -89,22 +127,7 @@ def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tenso
     return blocks.reshape(nb * b, *cache.shape[2:])[:n]
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    q_positions: torch.Tensor | None = None,
-    scale: float | None = None,
-    *,
-    q_w: torch.Tensor | None = None,
-    k2_cache: torch.Tensor | None = None,
-    window: int | None = None,
-    out: torch.Tensor | None = None,
-    q_chunk: int = 512,
-) -> torch.Tensor:
+def paged_attention(batch: AttentionBatch, q_chunk: int = 512) -> torch.Tensor:
     """Causal-by-position attention over paged KV, optionally ReRoPE.
 
     Without ``window`` it is ordinary attention (``S1`` everywhere); with
@@ -113,20 +136,20 @@ def paged_attention(
     visible key give 0. Returns ``[T, H_q, D]`` in ``q``'s dtype (fp32
     arithmetic); queries are processed ``q_chunk`` at a time to bound memory.
     """
+    q, q_w, window = batch.q, batch.q_w, batch.window
     t, h_q, d = q.shape
-    h_kv = k_cache.shape[2]
+    h_kv = batch.k_cache.shape[2]
     g = h_q // h_kv
-    scale = softmax_scale(d, scale)
-    rerope = window is not None
-    if rerope and (q_w is None or k2_cache is None):
+    scale = softmax_scale(d, batch.scale)
+    rerope = batch.rerope
+    if rerope and (q_w is None or batch.k2_cache is None):
         raise ValueError("ReRoPE needs q_w and k2_cache")
-    if q_positions is None:
-        q_positions = default_q_positions(seq_lens, query_start_loc)
+    out = batch.out
     if out is None:
         out = torch.zeros(t, h_q, d, dtype=q.dtype, device=q.device)
-    qsl = query_start_loc.to(torch.long).cpu()
-    sl = seq_lens.to(torch.long).cpu()
-    pos_all = q_positions.to(device=q.device, dtype=torch.long)
+    qsl = batch.starts().to(torch.long).cpu()
+    sl = batch.seq_lens.to(torch.long).cpu()
+    pos_all = batch.positions().to(device=q.device, dtype=torch.long)
     for s in range(sl.numel()):
         a, b_ = int(qsl[s]), int(qsl[s + 1])
         n = int(sl[s])
@@ -135,10 +158,10 @@ def paged_attention(
         if n == 0:
             out[a:b_] = 0
             continue
-        row = block_table[s]
-        kf = _gather(k_cache, row, n).float()
-        vf = _gather(v_cache, row, n).float()
-        k2f = _gather(k2_cache, row, n).float() if rerope else None
+        row = batch.block_table[s]
+        kf = _gather(batch.k_cache, row, n).float()
+        vf = _gather(batch.v_cache, row, n).float()
+        k2f = _gather(batch.k2_cache, row, n).float() if rerope else None
         for c0 in range(a, b_, q_chunk):
             c1 = min(b_, c0 + q_chunk)
             pos = pos_all[c0:c1]

@@ -13,6 +13,7 @@ import torch
 
 from ucm.sparse.kernels.dispatch import Impl, launchers_of, use_triton
 from ucm.sparse.kernels.keys import reference
+from ucm.sparse.kernels.keys.reference import BlockRotation
 
 _launchers = launchers_of(__name__)
 
@@ -32,12 +33,11 @@ def delta_rope(
     ``validate=False`` skips the kernel launcher's checks that read device
     values back (distinct block ids, deltas inside the table): hot paths.
     """
+    rot = BlockRotation(block_ids, deltas, cos_sin_cache, is_neox, num_tokens)
     if use_triton(impl, k_cache):
-        _launchers.delta_rope(
-            k_cache, block_ids, deltas, cos_sin_cache, is_neox, num_tokens, validate
-        )
+        _launchers.delta_rope(k_cache, rot, validate)
     else:
-        reference.delta_rope(k_cache, block_ids, deltas, cos_sin_cache, is_neox, num_tokens)
+        reference.delta_rope(k_cache, rot)
 
 
 def delta_rope_tokens(
@@ -63,4 +63,4 @@ def kv_deviation(
     return reference.kv_deviation(k_cache, slots, k_fresh)
 
 
-__all__ = ["delta_rope", "delta_rope_tokens", "kv_deviation"]
+__all__ = ["BlockRotation", "delta_rope", "delta_rope_tokens", "kv_deviation"]

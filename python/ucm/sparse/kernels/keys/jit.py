@@ -98,7 +98,7 @@ def kv_deviation_kernel(
     stride_fd,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -111,7 +111,7 @@ def kv_deviation_kernel(
     slot = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
     valid = mask_t & (slot >= 0)
     slot = tl.where(valid, slot, 0)
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
     k_row = k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
     f_row = f_ptr + offs_t.to(tl.int64) * stride_ft

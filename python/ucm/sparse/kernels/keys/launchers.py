@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse.kernels.dispatch import launch_guard, require
+from ucm.sparse.kernels.dispatch import launch_guard, require, strides_of, with_pads
 from ucm.sparse.kernels.keys import jit
+from ucm.sparse.kernels.keys.reference import BlockRotation
 from ucm.sparse.kernels.triton_utils import cdiv, next_power_of_2
 
 
@@ -23,35 +24,14 @@ def _require_paged_keys(k_cache: torch.Tensor) -> None:
     )
 
 
-def delta_rope(
-    k_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    deltas: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-    num_tokens: torch.Tensor | None = None,
-    validate: bool = True,
-) -> None:
+def delta_rope(k_cache: torch.Tensor, rot: BlockRotation, validate: bool = True) -> None:
     """Triton :func:`ucm.sparse.kernels.keys.reference.delta_rope` (in place).
 
     ``validate`` checks that block ids are distinct and deltas fit the table;
     both read device values back (a sync), so hot paths pass False.
     """
     _require_paged_keys(k_cache)
-    _, b, h, d = k_cache.shape
-    _delta_rope_launch(
-        k_cache,
-        k_cache.stride(),
-        b,
-        h,
-        d,
-        block_ids,
-        deltas,
-        cos_sin_cache,
-        is_neox,
-        num_tokens,
-        validate,
-    )
+    _delta_rope_launch(k_cache, k_cache.stride(), k_cache.shape[1], rot, validate)
 
 
 def delta_rope_tokens(
@@ -69,7 +49,7 @@ def delta_rope_tokens(
     the tail block is masked, so nothing past token ``T - 1`` is touched.
     """
     require(k.dim() == 3, f"k must be [T, H, D], got {tuple(k.shape)}")
-    t, h, d = k.shape
+    t = k.shape[0]
     require(deltas.numel() == t, f"deltas must be [{t}]")
     if t == 0:
         return
@@ -79,43 +59,32 @@ def delta_rope_tokens(
     ntok = torch.clamp(t - ids * group, max=group).to(torch.int32)
     dd = torch.zeros(n * group, dtype=torch.int64, device=k.device)
     dd[:t] = deltas.to(device=k.device, dtype=torch.int64).reshape(-1)
-    _delta_rope_launch(
-        k,
-        (group * st, st, sh, sd),
-        group,
-        h,
-        d,
-        ids,
-        dd.view(n, group),
-        cos_sin_cache,
-        is_neox,
-        ntok,
-        validate,
-    )
+    rot = BlockRotation(ids, dd.view(n, group), cos_sin_cache, is_neox, ntok)
+    _delta_rope_launch(k, (group * st, st, sh, sd), group, rot, validate)
 
 
 def _delta_rope_launch(
     k: torch.Tensor,
     strides: tuple[int, int, int, int],
     b: int,
-    h: int,
-    d: int,
-    block_ids: torch.Tensor,
-    deltas: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    num_tokens: torch.Tensor | None,
+    rot: BlockRotation,
     validate: bool,
 ) -> None:
+    """Rotates ``k`` seen as ``[NB, b, H, D]`` blocks with ``strides``."""
+    h, d = k.shape[-2], k.shape[-1]
+    cos_sin_cache, num_tokens = rot.cos_sin_cache, rot.num_tokens
     require(cos_sin_cache.dim() == 2, "cos_sin_cache must be [max_pos, rot_dim]")
-    rot = cos_sin_cache.shape[1]
-    require(rot % 2 == 0 and 0 < rot <= d, f"rot_dim {rot} must be even and <= head dim {d}")
-    n = int(block_ids.numel())
+    rot_dim = cos_sin_cache.shape[1]
+    require(
+        rot_dim % 2 == 0 and 0 < rot_dim <= d,
+        f"rot_dim {rot_dim} must be even and <= head dim {d}",
+    )
+    n = int(rot.block_ids.numel())
     if n == 0:
         return
     dev = k.device
-    block_ids = block_ids.to(device=dev, dtype=torch.int64).contiguous()
-    deltas = deltas.to(device=dev, dtype=torch.int64)
+    block_ids = rot.block_ids.to(device=dev, dtype=torch.int64).contiguous()
+    deltas = rot.deltas.to(device=dev, dtype=torch.int64)
     if deltas.dim() == 1:
         require(deltas.numel() == n, f"deltas must be [{n}] or [{n}, {b}]")
         stride_dn, stride_dt = deltas.stride(0), 0
@@ -150,10 +119,9 @@ def _delta_rope_launch(
             *cs.stride(),
             BLOCK_SIZE=b,
             BLOCK_T=bt,
-            HALF=rot // 2,
-            HALF_PAD=next_power_of_2(rot // 2),
-            IS_NEOX=bool(is_neox),
+            IS_NEOX=bool(rot.is_neox),
             HAS_NUM_TOKENS=num_tokens is not None,
+            **with_pads(HALF=rot_dim // 2),
         )
 
 
@@ -178,12 +146,10 @@ def kv_deviation(
             k_fresh,
             out,
             t,
-            *k_cache.stride(),
-            *k_fresh.stride(),
+            *strides_of(k_cache, k_fresh),
             NUM_HEADS=h,
-            HEAD_DIM=d,
-            D_PAD=next_power_of_2(d),
             BLOCK_SIZE=b,
             BLOCK_T=block_t,
+            **with_pads(HEAD_DIM=d),
         )
     return out

@@ -15,27 +15,18 @@ Shapes (see :mod:`ucm.sparse.kernels.selection.reference` for the shared convent
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ucm.sparse.kernels.rope import cos_sin_at, rotate
 
 
-def delta_rope(
-    k_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    deltas: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-    num_tokens: torch.Tensor | None = None,
-) -> None:
-    """Rotates the keys of whole blocks by ``deltas`` positions, in place.
+@dataclass(frozen=True)
+class BlockRotation:
+    """Which paged key blocks :func:`delta_rope` rotates, and by how much.
 
-    A key stored at position ``p`` (``R(p) k``) becomes the key at ``p + delta``
-    (``R(delta) R(p) k = R(p + delta) k``). Blend moves a chunk cached at
-    start ``a`` to start ``b`` with ``delta = b - a``.
-
-    Args:
-        k_cache: ``[NB, B, H_kv, D]`` (any strides), modified in place.
+    Attributes:
         block_ids: ``[n]`` physical blocks to rotate (distinct).
         deltas: ``[n]`` (one per block) or ``[n, B]`` (one per token) int
             position shifts; ``|delta| < max_pos``; negative shifts rotate back.
@@ -43,14 +34,31 @@ def delta_rope(
         is_neox: NeoX (half split) or GPT-J (interleaved) pairing.
         num_tokens: ``[n]`` valid tokens per block (the rest is untouched);
             ``None``: all ``B``.
+    """
+
+    block_ids: torch.Tensor
+    deltas: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    is_neox: bool = True
+    num_tokens: torch.Tensor | None = None
+
+
+def delta_rope(k_cache: torch.Tensor, rot: BlockRotation) -> None:
+    """Rotates the keys of whole blocks of ``k_cache`` ``[NB, B, H_kv, D]``
+    (any strides) by ``rot.deltas`` positions, in place.
+
+    A key stored at position ``p`` (``R(p) k``) becomes the key at ``p + delta``
+    (``R(delta) R(p) k = R(p + delta) k``). Blend moves a chunk cached at
+    start ``a`` to start ``b`` with ``delta = b - a``.
 
     The rotation is computed in fp32 and rounded once to the cache dtype.
     """
+    block_ids, deltas, num_tokens = rot.block_ids, rot.deltas, rot.num_tokens
     n = int(block_ids.numel())
     if n == 0:
         return
     b = k_cache.shape[1]
-    cs = cos_sin_cache.float()
+    cs = rot.cos_sin_cache.float()
     if num_tokens is None:
         # Every token of every block: one gather, one rotation, one scatter
         # (same arithmetic as the per-block loop below; block ids are distinct).
@@ -59,8 +67,8 @@ def delta_rope(
         d = d.reshape(n, 1).expand(n, b) if d.numel() == n else d.reshape(n, b)
         cos, sin = cos_sin_at(cs.to(k_cache.device), d.reshape(-1))
         x = k_cache[ids].float()  # [n, B, H, D]
-        rot = rotate(x.reshape(n * b, *x.shape[2:]), cos, sin, is_neox)
-        k_cache[ids] = rot.reshape(x.shape).to(k_cache.dtype)
+        rotated = rotate(x.reshape(n * b, *x.shape[2:]), cos, sin, rot.is_neox)
+        k_cache[ids] = rotated.reshape(x.shape).to(k_cache.dtype)
         return
     for i in range(n):
         blk = int(block_ids[i])
@@ -71,7 +79,7 @@ def delta_rope(
         d = d.expand(ntok) if d.numel() == 1 else d[:ntok]
         cos, sin = cos_sin_at(cs, d)
         x = k_cache[blk, :ntok]
-        k_cache[blk, :ntok] = rotate(x.float(), cos, sin, is_neox).to(k_cache.dtype)
+        k_cache[blk, :ntok] = rotate(x.float(), cos, sin, rot.is_neox).to(k_cache.dtype)
 
 
 def delta_rope_tokens(

@@ -7,6 +7,8 @@ documented), as ``impl`` says (:mod:`ucm.sparse.kernels.dispatch`).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from ucm.sparse.kernels.dispatch import Impl, launchers_of, use_triton
@@ -14,12 +16,20 @@ from ucm.sparse.kernels.selection import reference
 from ucm.sparse.kernels.selection.reference import (
     FORCED_SCORE,
     INVALID_SCORE,
+    Candidates,
+    HammingBatch,
+    KeyBlocks,
     dense_attention_weights,
     group_mean_query,
     srp_projection,
 )
 
 _launchers = launchers_of(__name__)
+
+
+def _impl(impl: Impl, t: torch.Tensor) -> ModuleType:
+    """The module whose op runs on tensors like ``t``: the launchers or the reference."""
+    return _launchers if use_triton(impl, t) else reference
 
 
 def block_representatives(
@@ -31,8 +41,8 @@ def block_representatives(
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``[n, M, H_kv, D']`` fp32 sub-block mean keys (see the reference)."""
-    mod = _launchers if use_triton(impl, k_cache) else reference
-    return mod.block_representatives(k_cache, block_ids, num_tokens, tokens_per_rep, channels)
+    blocks = KeyBlocks(k_cache, block_ids, num_tokens, tokens_per_rep, channels)
+    return _impl(impl, k_cache).block_representatives(blocks)
 
 
 def block_scores_dot(
@@ -43,8 +53,7 @@ def block_scores_dot(
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``[S, n_max]`` ESA scores (see the reference)."""
-    mod = _launchers if use_triton(impl, q) else reference
-    return mod.block_scores_dot(q, rep_pool, rep_table, num_reps)
+    return _impl(impl, q).block_scores_dot(q, Candidates(rep_pool, rep_table, num_reps))
 
 
 def kvstar_vote_scores(
@@ -57,8 +66,8 @@ def kvstar_vote_scores(
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``[S, n_max]`` KVStar votes (see the reference)."""
-    mod = _launchers if use_triton(impl, q) else reference
-    return mod.kvstar_vote_scores(q, rep_pool, rep_table, num_reps, channels, scale)
+    cands = Candidates(rep_pool, rep_table, num_reps)
+    return _impl(impl, q).kvstar_vote_scores(q, cands, channels, scale)
 
 
 def srp_encode(x: torch.Tensor, proj: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
@@ -76,8 +85,7 @@ def srp_encode_to_cache(
     impl: Impl = "auto",
 ) -> None:
     """Writes key codes into the paged code cache (see the reference)."""
-    mod = _launchers if use_triton(impl, k) else reference
-    mod.srp_encode_to_cache(k, proj, code_cache, slot_mapping)
+    _impl(impl, k).srp_encode_to_cache(k, proj, code_cache, slot_mapping)
 
 
 def block_scores_hamming(
@@ -90,20 +98,27 @@ def block_scores_hamming(
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``[S, max_blocks]`` int32 GSA scores, lower is better (see the reference)."""
-    mod = _launchers if use_triton(impl, q_codes) else reference
-    return mod.block_scores_hamming(
-        q_codes, k_code_cache, block_table, seq_lens, sink_blocks, recent_blocks
-    )
+    batch = HammingBatch(q_codes, k_code_cache, block_table, seq_lens, sink_blocks, recent_blocks)
+    return hamming_scores(batch, impl)
+
+
+def hamming_scores(batch: HammingBatch, impl: Impl = "auto") -> torch.Tensor:
+    """:func:`block_scores_hamming` of a batch already bundled."""
+    return _impl(impl, batch.q_codes).block_scores_hamming(batch)
 
 
 __all__ = [
     "FORCED_SCORE",
     "INVALID_SCORE",
+    "Candidates",
+    "HammingBatch",
+    "KeyBlocks",
     "block_representatives",
     "block_scores_dot",
     "block_scores_hamming",
     "dense_attention_weights",
     "group_mean_query",
+    "hamming_scores",
     "kvstar_vote_scores",
     "srp_encode",
     "srp_encode_to_cache",

@@ -111,7 +111,7 @@ def block_score_dot_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid ``(S, cdiv(n_max, BLOCK_N))``: ESA scores of ``BLOCK_N`` candidate blocks.
@@ -126,7 +126,7 @@ def block_score_dot_kernel(
     slots = tl.load(table_ptr + s * stride_ts + offs_n * stride_tn, mask=mask_n, other=0)
     slots = slots.to(tl.int64)
     offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_d = offs_d < HEAD_DIM
     mask_q = (offs_g < GROUP)[:, None] & mask_d[None, :]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -336,7 +336,7 @@ def hamming_block_score_kernel(
     NUM_KV_HEADS: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    B_PAD: tl.constexpr,
+    BLOCK_SIZE_PAD: tl.constexpr,
     BLOCK_NB: tl.constexpr,
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
@@ -353,13 +353,13 @@ def hamming_block_score_kernel(
     nb = (sl + BLOCK_SIZE - 1) // BLOCK_SIZE
     mask_j = j < nb
     blk = tl.load(table_ptr + s * stride_ts + j * stride_tn, mask=mask_j, other=0).to(tl.int64)
-    tok = tl.arange(0, B_PAD)
+    tok = tl.arange(0, BLOCK_SIZE_PAD)
     pos = j[:, None] * BLOCK_SIZE + tok[None, :]
     valid = mask_j[:, None] & (tok < BLOCK_SIZE)[None, :] & (pos < sl)
     base = kc_ptr + blk[:, None] * stride_kb + tok[None, :].to(tl.int64) * stride_kt
-    best = tl.full([BLOCK_NB, B_PAD], 2147483647, tl.int32)
+    best = tl.full([BLOCK_NB, BLOCK_SIZE_PAD], 2147483647, tl.int32)
     for h in range(NUM_KV_HEADS):
-        dist = tl.zeros([BLOCK_NB, B_PAD], dtype=tl.int32)
+        dist = tl.zeros([BLOCK_NB, BLOCK_SIZE_PAD], dtype=tl.int32)
         for w in range(WORDS):
             qw = tl.load(qc_ptr + s * stride_qs + h * stride_qh + w * stride_qw)
             kw = tl.load(base + h * stride_kh + w * stride_kw, mask=valid, other=0)

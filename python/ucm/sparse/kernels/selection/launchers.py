@@ -10,33 +10,34 @@ from __future__ import annotations
 
 import torch
 
-from ucm.sparse.kernels.dispatch import MIN_DOT, dot_pad, gqa_group, launch_guard, require
+from ucm.sparse.kernels.dispatch import (
+    MIN_DOT,
+    dot_pad,
+    gqa_group,
+    launch_guard,
+    require,
+    strides_of,
+    with_pads,
+)
 from ucm.sparse.kernels.selection import jit
+from ucm.sparse.kernels.selection.reference import Candidates, HammingBatch, KeyBlocks
 from ucm.sparse.kernels.triton_utils import cdiv, next_power_of_2
 
 
-def block_representatives(
-    k_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    num_tokens: torch.Tensor,
-    tokens_per_rep: int | None = None,
-    channels: torch.Tensor | None = None,
-) -> torch.Tensor:
+def block_representatives(blocks: KeyBlocks) -> torch.Tensor:
     """Triton :func:`ucm.sparse.kernels.selection.reference.block_representatives`."""
+    k_cache = blocks.k_cache
     require(k_cache.dim() == 4, f"k_cache must be [num_blocks, B, H_kv, D], got {k_cache.shape}")
     _, b, h, d = k_cache.shape
-    n = int(block_ids.numel())
-    require(num_tokens.numel() == n, "num_tokens must have one entry per block id")
-    c = b if tokens_per_rep is None else int(tokens_per_rep)
-    require(1 <= c <= b, f"tokens_per_rep must be in [1, {b}], got {c}")
-    m = cdiv(b, c)
+    n = int(blocks.block_ids.numel())
+    require(blocks.num_tokens.numel() == n, "num_tokens must have one entry per block id")
+    c, m = blocks.reps()
     dev = k_cache.device
-    block_ids = block_ids.to(device=dev, dtype=torch.int64).contiguous()
-    num_tokens = num_tokens.to(device=dev, dtype=torch.int32).contiguous()
+    block_ids = blocks.block_ids.to(device=dev, dtype=torch.int64).contiguous()
+    num_tokens = blocks.num_tokens.to(device=dev, dtype=torch.int32).contiguous()
+    channels = blocks.block_channels()
     if channels is not None:
         require(channels.shape[-2] == h, f"channels must be [..., {h}, D'], got {channels.shape}")
-        if channels.dim() == 2:
-            channels = channels.unsqueeze(0).expand(n, -1, -1)
         channels = channels.to(device=dev, dtype=torch.int32)
         dp = channels.shape[-1]
         ch_strides = channels.stride()
@@ -58,24 +59,16 @@ def block_representatives(
             *ch_strides,
             *out.stride(),
             BLOCK_SIZE=b,
-            C=c,
-            C_PAD=next_power_of_2(c),
             NUM_REPS=m,
-            DP=dp,
-            DP_PAD=next_power_of_2(dp),
             HAS_CHANNELS=ch_strides != (0, 0, 0),
+            **with_pads(C=c, DP=dp),
         )
     return out
 
 
-def block_scores_dot(
-    q: torch.Tensor,
-    rep_pool: torch.Tensor,
-    rep_table: torch.Tensor,
-    num_reps: torch.Tensor,
-    block_n: int = 64,
-) -> torch.Tensor:
+def block_scores_dot(q: torch.Tensor, cands: Candidates, block_n: int = 64) -> torch.Tensor:
     """Triton :func:`ucm.sparse.kernels.selection.reference.block_scores_dot`."""
+    rep_pool = cands.rep_pool
     require(q.dim() == 3, f"q must be [S, H_q, D], got {q.shape}")
     require(rep_pool.dim() == 3, f"rep_pool must be [P, H_kv, D], got {rep_pool.shape}")
     s, h_q, d = q.shape
@@ -86,9 +79,9 @@ def block_scores_dot(
         q = q.repeat_interleave(h_kv // h_q, dim=1)
         h_q = h_kv
     g = gqa_group(h_q, h_kv)
-    n_max = rep_table.shape[1]
-    rep_table = rep_table.to(torch.int32)
-    num_reps = num_reps.to(device=q.device, dtype=torch.int32)
+    n_max = cands.rep_table.shape[1]
+    rep_table = cands.rep_table.to(torch.int32)
+    num_reps = cands.num_reps.to(device=q.device, dtype=torch.int32)
     out = torch.empty(s, n_max, dtype=torch.float32, device=q.device)
     if s == 0 or n_max == 0:
         return out
@@ -100,31 +93,20 @@ def block_scores_dot(
             rep_table,
             num_reps,
             out,
-            *q.stride(),
-            *rep_pool.stride(),
-            *rep_table.stride(),
-            *out.stride(),
+            *strides_of(q, rep_pool, rep_table, out),
             n_max,
             NUM_KV_HEADS=h_kv,
-            GROUP=g,
-            GROUP_PAD=next_power_of_2(g),
-            HEAD_DIM=d,
-            D_PAD=next_power_of_2(d),
             BLOCK_N=block_n,
+            **with_pads(GROUP=g, HEAD_DIM=d),
         )
     return out
 
 
 def kvstar_vote_scores(
-    q: torch.Tensor,
-    rep_pool: torch.Tensor,
-    rep_table: torch.Tensor,
-    num_reps: torch.Tensor,
-    channels: torch.Tensor,
-    scale: float,
-    block_n: int = 32,
+    q: torch.Tensor, cands: Candidates, channels: torch.Tensor, scale: float, block_n: int = 32
 ) -> torch.Tensor:
     """Triton :func:`ucm.sparse.kernels.selection.reference.kvstar_vote_scores`."""
+    rep_pool = cands.rep_pool
     require(q.dim() == 4, f"q must be [S, X, H_q, D], got {q.shape}")
     require(rep_pool.dim() == 4, f"rep_pool must be [P, M, H_kv, D'], got {rep_pool.shape}")
     s, x, h_q, _ = q.shape
@@ -134,9 +116,9 @@ def kvstar_vote_scores(
         tuple(channels.shape) == (s, h_kv, dp),
         f"channels must be [{s}, {h_kv}, {dp}], got {tuple(channels.shape)}",
     )
-    n_max = rep_table.shape[1]
-    rep_table = rep_table.to(torch.int32)
-    num_reps = num_reps.to(device=q.device, dtype=torch.int32)
+    n_max = cands.rep_table.shape[1]
+    rep_table = cands.rep_table.to(torch.int32)
+    num_reps = cands.num_reps.to(device=q.device, dtype=torch.int32)
     channels = channels.to(torch.int32)
     votes = torch.zeros(s, x * h_q, n_max, dtype=torch.float32, device=q.device)
     if s and n_max and x:
@@ -148,23 +130,14 @@ def kvstar_vote_scores(
                 num_reps,
                 channels,
                 votes,
-                *q.stride(),
-                *rep_pool.stride(),
-                *rep_table.stride(),
-                *channels.stride(),
-                *votes.stride(),
+                *strides_of(q, rep_pool, rep_table, channels, votes),
                 float(scale),
                 NUM_HEADS_Q=h_q,
                 GROUP=g,
-                M=m,
-                M_PAD=next_power_of_2(m),
-                DP=dp,
-                DP_PAD=next_power_of_2(dp),
                 BLOCK_N=block_n,
+                **with_pads(M=m, DP=dp),
             )
-    out = votes.sum(dim=1)
-    idx = torch.arange(n_max, device=q.device)
-    return out.masked_fill(idx.unsqueeze(0) >= num_reps.long().unsqueeze(1), float("-inf"))
+    return cands.mask_padding(votes.sum(dim=1))
 
 
 def _srp_launch(
@@ -238,27 +211,20 @@ def srp_encode_to_cache(
     _srp_launch(k, proj.to(k.device), code_cache, slots)
 
 
-def block_scores_hamming(
-    q_codes: torch.Tensor,
-    k_code_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sink_blocks: int = 1,
-    recent_blocks: int = 4,
-    block_nb: int = 16,
-) -> torch.Tensor:
+def block_scores_hamming(batch: HammingBatch, block_nb: int = 16) -> torch.Tensor:
     """Triton :func:`ucm.sparse.kernels.selection.reference.block_scores_hamming`."""
+    q_codes, k_code_cache = batch.q_codes, batch.k_code_cache
     require(q_codes.dim() == 3, f"q_codes must be [S, H_kv, W], got {q_codes.shape}")
     require(k_code_cache.dim() == 4, "k_code_cache must be [num_blocks, B, H_kv, W]")
     s, h, w = q_codes.shape
     _, b, h2, w2 = k_code_cache.shape
     require((h, w) == (h2, w2), "q_codes and k_code_cache disagree on kv heads or words")
-    max_blocks = block_table.shape[1]
+    max_blocks = batch.block_table.shape[1]
     out = torch.empty(s, max_blocks, dtype=torch.int32, device=q_codes.device)
     if s == 0 or max_blocks == 0:
         return out
-    block_table = block_table.to(torch.int32)
-    seq_lens = seq_lens.to(device=q_codes.device, dtype=torch.int32)
+    block_table = batch.block_table.to(torch.int32)
+    seq_lens = batch.seq_lens.to(device=q_codes.device, dtype=torch.int32)
     with launch_guard():
         jit.hamming_block_score_kernel[(s, cdiv(max_blocks, block_nb))](
             q_codes,
@@ -266,17 +232,13 @@ def block_scores_hamming(
             block_table,
             seq_lens,
             out,
-            *q_codes.stride(),
-            *k_code_cache.stride(),
-            *block_table.stride(),
-            *out.stride(),
+            *strides_of(q_codes, k_code_cache, block_table, out),
             max_blocks,
             NUM_KV_HEADS=h,
             WORDS=w,
-            BLOCK_SIZE=b,
-            B_PAD=next_power_of_2(b),
             BLOCK_NB=block_nb,
-            SINK=sink_blocks,
-            RECENT=recent_blocks,
+            SINK=batch.sink_blocks,
+            RECENT=batch.recent_blocks,
+            **with_pads(BLOCK_SIZE=b),
         )
     return out

@@ -28,9 +28,12 @@ Shape conventions (used throughout :mod:`ucm.sparse`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ucm.sparse.kernels.dispatch import softmax_scale
+from ucm.sparse.kernels.triton_utils import cdiv
 
 #: Hamming score of a forced (always kept) block: below any real distance.
 FORCED_SCORE = -1
@@ -56,16 +59,11 @@ def group_mean_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return qf.repeat_interleave(num_kv_heads // h_q, dim=-2)
 
 
-def block_representatives(
-    k_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    num_tokens: torch.Tensor,
-    tokens_per_rep: int | None = None,
-    channels: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Mean-key representatives of paged blocks.
+@dataclass(frozen=True)
+class KeyBlocks:
+    """Paged key blocks that :func:`block_representatives` summarises.
 
-    Args:
+    Attributes:
         k_cache: ``[num_blocks, B, H_kv, D]`` (any strides, any float dtype).
         block_ids: ``[n]`` physical block ids to summarise.
         num_tokens: ``[n]`` valid tokens of each block, ``1..B`` (partial last
@@ -75,23 +73,44 @@ def block_representatives(
             ``None`` means ``c = B`` (ESA: one representative per block).
         channels: ``[n, H_kv, D']`` or ``[H_kv, D']`` int channel indices kept
             per kv head (KVStar's pruned channels); ``None`` keeps all ``D``.
-
-    Returns:
-        ``[n, M, H_kv, D']`` float32. A sub-block without valid tokens is 0.
     """
-    _, b, h, _ = k_cache.shape
-    c = b if tokens_per_rep is None else int(tokens_per_rep)
-    m = -(-b // c)
-    n = int(block_ids.numel())
-    k = k_cache[block_ids.long()].float()  # [n, B, H, D]
-    if channels is not None:
-        ch = channels.long()
-        if ch.dim() == 2:
-            ch = ch.unsqueeze(0).expand(n, -1, -1)
+
+    k_cache: torch.Tensor
+    block_ids: torch.Tensor
+    num_tokens: torch.Tensor
+    tokens_per_rep: int | None = None
+    channels: torch.Tensor | None = None
+
+    def reps(self) -> tuple[int, int]:
+        """``(c, M)``: tokens per representative and representatives per
+        block; ``ValueError`` unless ``1 <= c <= B``."""
+        b = self.k_cache.shape[1]
+        c = b if self.tokens_per_rep is None else int(self.tokens_per_rep)
+        if not 1 <= c <= b:
+            raise ValueError(f"tokens_per_rep must be in [1, {b}], got {c}")
+        return c, cdiv(b, c)
+
+    def block_channels(self) -> torch.Tensor | None:
+        """``channels`` as ``[n, H_kv, D']`` (a shared ``[H_kv, D']`` expanded)."""
+        ch = self.channels
+        if ch is not None and ch.dim() == 2:
+            ch = ch.unsqueeze(0).expand(self.block_ids.numel(), -1, -1)
+        return ch
+
+
+def block_representatives(blocks: KeyBlocks) -> torch.Tensor:
+    """Mean-key representatives of paged blocks: ``[n, M, H_kv, D']``
+    float32. A sub-block without valid tokens is 0."""
+    _, b, h, _ = blocks.k_cache.shape
+    c, m = blocks.reps()
+    n = int(blocks.block_ids.numel())
+    k = blocks.k_cache[blocks.block_ids.long()].float()  # [n, B, H, D]
+    ch = blocks.block_channels()
+    if ch is not None:
         # gather [n, B, H, D'] from [n, B, H, D]
-        k = torch.gather(k, 3, ch.unsqueeze(1).expand(n, b, h, ch.shape[-1]))
+        k = torch.gather(k, 3, ch.long().unsqueeze(1).expand(n, b, h, ch.shape[-1]))
     tok = torch.arange(b, device=k.device)
-    valid = tok.unsqueeze(0) < num_tokens.to(k.device).long().unsqueeze(1)  # [n, B]
+    valid = tok.unsqueeze(0) < blocks.num_tokens.to(k.device).long().unsqueeze(1)  # [n, B]
     k = k * valid[:, :, None, None]
     pad = m * c - b
     if pad:
@@ -102,39 +121,41 @@ def block_representatives(
     return sums / counts.clamp(min=1.0)[:, :, None, None]
 
 
-def block_scores_dot(
-    q: torch.Tensor,
-    rep_pool: torch.Tensor,
-    rep_table: torch.Tensor,
-    num_reps: torch.Tensor,
-) -> torch.Tensor:
-    """ESA block scores: ``<group-mean query, representative>`` over all kv heads.
+@dataclass(frozen=True)
+class Candidates:
+    """Each sequence's candidate blocks, as representatives in a pool.
 
-    Args:
-        q: ``[S, H_q, D]`` one decode query per sequence.
-        rep_pool: ``[P, H_kv, D]`` float representatives.
+    Attributes:
+        rep_pool: ``[P, H_kv, D]`` (ESA) or ``[P, M, H_kv, D']`` (KVStar)
+            float representatives.
         rep_table: ``[S, n_max]`` int pool slot of each candidate block.
         num_reps: ``[S]`` int candidates of each sequence (``<= n_max``).
-
-    Returns:
-        ``[S, n_max]`` float32; entries ``>= num_reps`` are ``-inf``.
     """
-    _s, n_max = rep_table.shape
-    qm = group_mean_query(q, rep_pool.shape[1])  # [S, H_kv, D]
-    reps = rep_pool[rep_table.long().clamp(min=0)].float()  # [S, n_max, H_kv, D]
-    scores = torch.einsum("shd,snhd->sn", qm, reps)
-    idx = torch.arange(n_max, device=scores.device)
-    valid = idx.unsqueeze(0) < num_reps.to(scores.device).long().unsqueeze(1)
-    return scores.masked_fill(~valid, float("-inf"))
+
+    rep_pool: torch.Tensor
+    rep_table: torch.Tensor
+    num_reps: torch.Tensor
+
+    def mask_padding(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[S, n_max]`` with the entries ``>= num_reps`` set to ``-inf``."""
+        idx = torch.arange(scores.shape[1], device=scores.device)
+        pad = idx.unsqueeze(0) >= self.num_reps.to(scores.device).long().unsqueeze(1)
+        return scores.masked_fill(pad, float("-inf"))
+
+
+def block_scores_dot(q: torch.Tensor, cands: Candidates) -> torch.Tensor:
+    """ESA block scores: ``<group-mean query, representative>`` over all kv heads.
+
+    ``q`` ``[S, H_q, D]``: one decode query per sequence. Returns ``[S, n_max]``
+    float32; entries ``>= num_reps`` are ``-inf``.
+    """
+    qm = group_mean_query(q, cands.rep_pool.shape[1])  # [S, H_kv, D]
+    reps = cands.rep_pool[cands.rep_table.long().clamp(min=0)].float()  # [S, n_max, H_kv, D]
+    return cands.mask_padding(torch.einsum("shd,snhd->sn", qm, reps))
 
 
 def kvstar_vote_scores(
-    q: torch.Tensor,
-    rep_pool: torch.Tensor,
-    rep_table: torch.Tensor,
-    num_reps: torch.Tensor,
-    channels: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, cands: Candidates, channels: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """KVStar multi-query softmax voting.
 
@@ -146,9 +167,8 @@ def kvstar_vote_scores(
 
     Args:
         q: ``[S, X, H_q, D]`` the last ``X`` queries of each sequence.
-        rep_pool: ``[P, M, H_kv, D']`` float sub-block representatives.
-        rep_table: ``[S, n_max]`` int pool slot of each candidate block.
-        num_reps: ``[S]`` int candidates of each sequence.
+        cands: the candidates, ``rep_pool`` ``[P, M, H_kv, D']`` sub-block
+            representatives.
         channels: ``[S, H_kv, D']`` int channel indices of each sequence.
         scale: logit scale (the attention's ``1/sqrt(D)``).
 
@@ -156,15 +176,15 @@ def kvstar_vote_scores(
         ``[S, n_max]`` float32 votes in ``[0, X * H_q]``; padding is ``-inf``.
     """
     s, x, h_q, _d = q.shape
-    _, m, h_kv, dp = rep_pool.shape
-    n_max = rep_table.shape[1]
+    _, m, h_kv, dp = cands.rep_pool.shape
+    n_max = cands.rep_table.shape[1]
     g = h_q // h_kv
     out = torch.full((s, n_max), float("-inf"), dtype=torch.float32, device=q.device)
     for i in range(s):
-        n = int(num_reps[i])
+        n = int(cands.num_reps[i])
         if n == 0:
             continue
-        reps = rep_pool[rep_table[i, :n].long()].float()  # [n, M, H_kv, D']
+        reps = cands.rep_pool[cands.rep_table[i, :n].long()].float()  # [n, M, H_kv, D']
         ch = channels[i].long()  # [H_kv, D']
         ch_q = ch.repeat_interleave(g, dim=0)  # [H_q, D']
         qi = torch.gather(q[i].float(), 2, ch_q.unsqueeze(0).expand(x, h_q, dp))  # [X, H_q, D']
@@ -251,46 +271,53 @@ def _popcount32(x: torch.Tensor) -> torch.Tensor:
     return v.to(torch.int32)
 
 
-def block_scores_hamming(
-    q_codes: torch.Tensor,
-    k_code_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sink_blocks: int = 1,
-    recent_blocks: int = 4,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class HammingBatch:
+    """A decode batch that :func:`block_scores_hamming` scores (GSA).
+
+    Attributes:
+        q_codes: ``[S, H_kv, W]`` int32 codes of the group-mean query.
+        k_code_cache: ``[num_blocks, B, H_kv, W]`` int32 paged key codes.
+        block_table: ``[S, max_blocks]`` int.
+        seq_lens: ``[S]`` int.
+        sink_blocks, recent_blocks: the first and last blocks of each
+            sequence, always kept.
+    """
+
+    q_codes: torch.Tensor
+    k_code_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    sink_blocks: int = 1
+    recent_blocks: int = 4
+
+
+def block_scores_hamming(batch: HammingBatch) -> torch.Tensor:
     """GSA (HATA) block scores: min Hamming distance over a block's tokens.
 
     ``dist(t) = min over kv heads h of popcount(q_codes[h] ^ k_code[t, h])``;
     a block scores the min over its valid tokens (lower = more relevant).
     The first ``sink_blocks`` and last ``recent_blocks`` blocks of a sequence
     score :data:`FORCED_SCORE`; blocks past its end score :data:`INVALID_SCORE`.
-
-    Args:
-        q_codes: ``[S, H_kv, W]`` int32 codes of the group-mean query.
-        k_code_cache: ``[num_blocks, B, H_kv, W]`` int32 paged key codes.
-        block_table: ``[S, max_blocks]`` int.
-        seq_lens: ``[S]`` int.
-
-    Returns:
-        ``[S, max_blocks]`` int32.
+    Returns ``[S, max_blocks]`` int32.
     """
-    s, max_blocks = block_table.shape
-    b = k_code_cache.shape[1]
+    q_codes = batch.q_codes
+    s, max_blocks = batch.block_table.shape
+    b = batch.k_code_cache.shape[1]
     out = torch.full((s, max_blocks), INVALID_SCORE, dtype=torch.int32, device=q_codes.device)
     for i in range(s):
-        sl = int(seq_lens[i])
+        sl = int(batch.seq_lens[i])
         nb = -(-sl // b)
         if nb == 0:
             continue
-        codes = k_code_cache[block_table[i, :nb].long()]  # [nb, B, H, W]
+        codes = batch.k_code_cache[batch.block_table[i, :nb].long()]  # [nb, B, H, W]
         x = codes ^ q_codes[i].unsqueeze(0).unsqueeze(0)
         dist = _popcount32(x).sum(dim=-1).amin(dim=-1).long()  # [nb, B]
         tok = torch.arange(nb * b, device=dist.device).reshape(nb, b)
         dist = dist.masked_fill(tok >= sl, INVALID_SCORE)
         score = dist.amin(dim=1).to(torch.int32)
         blk = torch.arange(nb, device=score.device)
-        forced = (blk < sink_blocks) | (blk >= nb - recent_blocks)
+        forced = (blk < batch.sink_blocks) | (blk >= nb - batch.recent_blocks)
         score = score.masked_fill(forced, FORCED_SCORE)
         out[i, :nb] = score
     return out
