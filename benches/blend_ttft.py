@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         num_layers=spec.layers,
         num_heads=spec.heads,
         num_kv_heads=spec.kv_heads,
-        head_dim=spec.d,
+        head_dim=spec.head_dim,
     )
 
     def make_blend(ratio: float) -> tuple[Blend, rm.PagedKV]:

@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from ucm.sparse import SparseModelInfo
 from ucm.sparse.esa import ESAConfig, esa_representatives, esa_scores
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
 from ucm.sparse.kernels import attention, selection
@@ -71,11 +72,18 @@ IMPL: Impl = "auto"
 # ----------------------------------------------------------------------------- sources
 
 
+def _model(
+    block_size: int, kv_heads: int, group: int, head_dim: int, num_layers: int = 1
+) -> SparseModelInfo:
+    """The geometry of a synthetic case: ``group`` query heads per kv head."""
+    return SparseModelInfo(block_size, num_layers, kv_heads * group, kv_heads, head_dim)
+
+
 def planted_source(quick: bool) -> Iterable[SparseCase]:
     seeds = range(2) if quick else range(6)
     for s in seeds:
-        yield planted_case(4096, 32, 2, 4, 128, num_relevant=12, seed=s)
-        yield planted_case(4096, 32, 1, 8, 64, num_relevant=8, seed=100 + s)
+        yield planted_case(4096, _model(32, 2, 4, 128), num_relevant=12, seed=s)
+        yield planted_case(4096, _model(32, 1, 8, 64), num_relevant=8, seed=100 + s)
 
 
 def planted_sharp_source(quick: bool) -> Iterable[SparseCase]:
@@ -84,10 +92,7 @@ def planted_sharp_source(quick: bool) -> Iterable[SparseCase]:
     for s in seeds:
         yield planted_case(
             4096,
-            32,
-            2,
-            4,
-            128,
+            _model(32, 2, 4, 128),
             num_relevant=12,
             seed=200 + s,
             planted_fraction=0.5,
@@ -98,9 +103,7 @@ def planted_sharp_source(quick: bool) -> Iterable[SparseCase]:
 def random_llama_source(quick: bool) -> Iterable[SparseCase]:
     seeds = range(1) if quick else range(3)
     for s in seeds:
-        yield random_llama_case(
-            seq_len=2048, block_size=32, num_kv_heads=2, group=4, head_dim=64, num_layers=2, seed=s
-        )
+        yield random_llama_case(2048, _model(32, 2, 4, 64, num_layers=2), seed=s)
 
 
 def file_source(path: str) -> Callable[[bool], Iterable[SparseCase]]:

@@ -50,7 +50,7 @@ class Setup:
             num_layers=self.spec.layers,
             num_heads=4,
             num_kv_heads=2,
-            head_dim=self.spec.d,
+            head_dim=self.spec.head_dim,
         )
         cfg = BlendConfig(
             blend_recompute_ratio=ratio,

@@ -7,20 +7,8 @@ import pytest
 from ucm.hashing import block_ids
 from ucm.shared.config import ConfigError
 from ucm.sparse import SparseModelInfo, UcmSparseFactory, UcmSparseRole
-from ucm.sparse.blend import (
-    BUILD_PARAM,
-    CHUNKS_PARAM,
-    Blend,
-    BlendConfig,
-    BlendMode,
-    ChunkSpan,
-    chunk_block_ids,
-    find_chunks,
-    is_build_request,
-    parse_chunk_spans,
-    plan_request,
-    segment_by_end_token,
-)
+from ucm.sparse.blend import BUILD_PARAM, CHUNKS_PARAM, Blend, BlendConfig, chunks
+from ucm.sparse.blend.chunks import BlendMode, ChunkSpan
 from ucm.sparse.factory import build_method_config
 
 B = 4
@@ -102,20 +90,20 @@ def test_config_check_layer_past_model_and_shares() -> None:
 
 def test_segment_by_end_token_only_at_block_ends() -> None:
     toks = chunk(2, 10) + chunk(1, 50) + [7, END, 8, 9] + [60, 61]  # END mid-block: ignored
-    spans = segment_by_end_token(toks, B, END)
+    spans = chunks.segment_by_end_token(toks, B, END)
     assert spans == [ChunkSpan(0, 8), ChunkSpan(8, 12)]
-    assert segment_by_end_token([1, 2, 3], B, END) == []  # no full block
+    assert chunks.segment_by_end_token([1, 2, 3], B, END) == []  # no full block
 
 
 def test_explicit_spans_win_and_are_validated() -> None:
     toks = chunk(2, 10) + chunk(1, 50) + [1, 2, 3]
     cfg = BlendConfig(chunk_end_token_id=END)
-    assert find_chunks(toks, B, cfg, {CHUNKS_PARAM: [[0, 4], [4, 12]]}) == [
+    assert chunks.find_chunks(toks, B, cfg, {CHUNKS_PARAM: [[0, 4], [4, 12]]}) == [
         ChunkSpan(0, 4),
         ChunkSpan(4, 12),
     ]
-    assert find_chunks(toks, B, cfg) == [ChunkSpan(0, 8), ChunkSpan(8, 12)]
-    assert find_chunks(toks, B, BlendConfig()) == []
+    assert chunks.find_chunks(toks, B, cfg) == [ChunkSpan(0, 8), ChunkSpan(8, 12)]
+    assert chunks.find_chunks(toks, B, BlendConfig()) == []
     key = "kv_transfer_params.ucm_blend_chunks"
     for bad, where in [
         ("0-4", key),
@@ -127,17 +115,17 @@ def test_explicit_spans_win_and_are_validated() -> None:
         ([["a", 2]], f"{key}[0]"),
     ]:
         with pytest.raises(ConfigError) as e:
-            parse_chunk_spans(bad, len(toks))
+            chunks.parse_chunk_spans(bad, len(toks))
         assert where in str(e.value)
 
 
 def test_build_request_detection() -> None:
     cfg = BlendConfig(chunk_end_token_id=END)
-    assert is_build_request(chunk(2, 10), B, cfg)
-    assert not is_build_request([*chunk(2, 10), 5], B, cfg)  # not a whole number of blocks
-    assert not is_build_request(chunk(2, 10), B, BlendConfig())  # no end token configured
-    assert is_build_request([1, 2, 3], B, BlendConfig(), {BUILD_PARAM: True})
-    assert not is_build_request(chunk(2, 10), B, cfg, {BUILD_PARAM: False})
+    assert chunks.is_build_request(chunk(2, 10), B, cfg)
+    assert not chunks.is_build_request([*chunk(2, 10), 5], B, cfg)  # not a whole number of blocks
+    assert not chunks.is_build_request(chunk(2, 10), B, BlendConfig())  # no end token configured
+    assert chunks.is_build_request([1, 2, 3], B, BlendConfig(), {BUILD_PARAM: True})
+    assert not chunks.is_build_request(chunk(2, 10), B, cfg, {BUILD_PARAM: False})
 
 
 # --------------------------------------------------------------------------- ids
@@ -148,8 +136,8 @@ def test_chunk_ids_are_position_independent(algo: str) -> None:
     a, b = chunk(2, 10), chunk(3, 100)
     p1 = a + b + [1, 2]
     p2 = b + [7] * B + a + [3]
-    c1 = chunk_block_ids(p1, [ChunkSpan(0, 8), ChunkSpan(8, 20)], B, META, algo)
-    c2 = chunk_block_ids(p2, [ChunkSpan(0, 12), ChunkSpan(16, 24)], B, META, algo)
+    c1 = chunks.chunk_block_ids(p1, [ChunkSpan(0, 8), ChunkSpan(8, 20)], B, META, algo)
+    c2 = chunks.chunk_block_ids(p2, [ChunkSpan(0, 12), ChunkSpan(16, 24)], B, META, algo)
     assert c1[0].ids == c2[1].ids == block_ids(a, B, META, algo, None)
     assert c1[1].ids == c2[0].ids == block_ids(b, B, META, algo, None)
     assert (c1[1].first_block, c2[1].first_block) == (2, 4)
@@ -159,16 +147,16 @@ def test_chunk_ids_are_position_independent(algo: str) -> None:
 
 def test_unaligned_chunk_is_not_loadable() -> None:
     toks = list(range(1, 20))
-    (c,) = chunk_block_ids(toks, [ChunkSpan(2, 14)], B, META)
+    (c,) = chunks.chunk_block_ids(toks, [ChunkSpan(2, 14)], B, META)
     assert c.first_block is None and len(c.ids) == 3
 
 
 # --------------------------------------------------------------------------- plan
 
 
-def _store_with_chunks(*chunks: list[int]) -> SetStore:
+def _store_with_chunks(*chunk_tokens: list[int]) -> SetStore:
     ids: list[bytes] = []
-    for c in chunks:
+    for c in chunk_tokens:
         ids += block_ids(c, B, META)
     return SetStore(ids)
 
@@ -178,7 +166,7 @@ def test_plan_blend_loads_chunks_with_deltas() -> None:
     store = _store_with_chunks(b, c)  # a (the first chunk) is not cached
     prompt = a + b + c + [1, 2, 3, 4, 5]
     cfg = BlendConfig(chunk_end_token_id=END, min_blend_hit_blocks=2)
-    plan = plan_request(prompt, B, META, store, cfg)
+    plan = chunks.plan_request(prompt, B, META, store, cfg)
     assert plan.mode is BlendMode.BLEND and plan.prefix_hit_blocks == 0
     assert plan.chunk_hit_blocks == 4 and plan.chunk_blocks_total == 6
     assert [
@@ -197,16 +185,16 @@ def test_plan_prefix_hit_then_chunks_and_device_hits() -> None:
     prompt = a + b + [1, 2, 3]
     store = _store_with_chunks(a, b)  # a is also the exact prefix
     cfg = BlendConfig(chunk_end_token_id=END, min_blend_hit_blocks=1)
-    plan = plan_request(prompt, B, META, store, cfg)
+    plan = chunks.plan_request(prompt, B, META, store, cfg)
     assert plan.mode is BlendMode.BLEND and plan.prefix_hit_blocks == 2
     assert [ld.chunk_index for ld in plan.loads] == [-1, -1, 1, 1, 1]
     assert plan.prefix_tokens == 8 and not plan.forced_mask()[:8].any()
     # vLLM's own prefix cache holds block 0: not loaded again
-    plan = plan_request(prompt, B, META, store, cfg, num_computed_tokens=4)
+    plan = chunks.plan_request(prompt, B, META, store, cfg, num_computed_tokens=4)
     assert plan.device_hit_blocks == 1 and plan.prefix_hit_blocks == 2
     assert [ld.block_index for ld in plan.loads] == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="multiple"):
-        plan_request(prompt, B, META, store, cfg, num_computed_tokens=3)
+        chunks.plan_request(prompt, B, META, store, cfg, num_computed_tokens=3)
 
 
 def test_plan_missed_chunk_blocks_are_forced() -> None:
@@ -214,7 +202,7 @@ def test_plan_missed_chunk_blocks_are_forced() -> None:
     ids_b = block_ids(b, B, META)
     store = SetStore([ids_b[0], ids_b[2]])  # middle block evicted
     prompt = a + b + [9]
-    plan = plan_request(
+    plan = chunks.plan_request(
         prompt, B, META, store, BlendConfig(chunk_end_token_id=END, min_blend_hit_blocks=2)
     )
     assert plan.mode is BlendMode.BLEND
@@ -227,10 +215,10 @@ def test_plan_fallback_below_threshold_and_build() -> None:
     store = _store_with_chunks(b)
     prompt = a + b + [1]
     cfg = BlendConfig(chunk_end_token_id=END, min_blend_hit_blocks=3)
-    plan = plan_request(prompt, B, META, store, cfg)
+    plan = chunks.plan_request(prompt, B, META, store, cfg)
     assert plan.mode is BlendMode.PREFIX and plan.loads == [] and plan.chunk_hit_blocks == 2
     assert plan.dump_block_indices == [0, 1, 2, 3] and plan.forced_mask().all()
-    build = plan_request(a, B, META, store, cfg)
+    build = chunks.plan_request(a, B, META, store, cfg)
     assert build.mode is BlendMode.BUILD_CHUNK_CACHE and build.dump_block_indices == [0, 1]
     assert build.prefix_ids == block_ids(a, B, META)
 
@@ -241,7 +229,7 @@ def test_plan_explicit_spans() -> None:
     prompt = sys_prompt + a + b + [5, 6]
     store = _store_with_chunks(a, b)
     params = {CHUNKS_PARAM: [[4, 12], [12, 20]]}
-    plan = plan_request(prompt, B, META, store, BlendConfig(min_blend_hit_blocks=4), params)
+    plan = chunks.plan_request(prompt, B, META, store, BlendConfig(min_blend_hit_blocks=4), params)
     assert plan.mode is BlendMode.BLEND
     assert [(ld.block_index, ld.delta) for ld in plan.loads] == [(1, 4), (2, 4), (3, 12), (4, 12)]
     assert plan.forced_mask()[:4].all() and plan.forced_mask()[20:].all()

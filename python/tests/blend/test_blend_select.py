@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ucm.sparse import SparseModelInfo, UcmSparseRole
-from ucm.sparse.base import layer_index
+from ucm.sparse.base import AttentionCall, LayerRows, layer_index
 from ucm.sparse.blend import Blend, BlendConfig, BlendStep, build_step, select_hkvd
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, BlockLoad
 from ucm.sparse.blend.select import BlendRequestRows
@@ -91,7 +91,8 @@ def test_blend_attention_begin_rewrites_metadata() -> None:
     blend.initialize_kv_cache_tensors({name0: kv, name1: kv.clone()})
     q, k, v = torch.randn(6, 4, d), torch.randn(6, h, d), torch.randn(6, h, d)
     out = torch.empty_like(q)
-    assert blend.attention_begin(q, k, v, name1, None, out)[0] is q  # no step: pass-through
+    call = AttentionCall(name1, q, k, v, None, out)
+    assert blend.attention_begin(call) is call  # no step: pass-through
     reused = torch.tensor([1, 1, 1, 1, 0, 0], dtype=torch.bool)
     slots = torch.tensor([8, 9, 10, 11, 12, 13])
     blend.bind_step(
@@ -111,17 +112,20 @@ def test_blend_attention_begin_rewrites_metadata() -> None:
         seq_lens=torch.tensor([10]),
         block_table=torch.tensor([[0, 2, 3]]),
     )
-    assert blend.attention_begin(q, k, v, name0, meta, out)[0] is q  # not a check layer
-    q2, _k2, _v2, o2 = blend.attention_begin(q, k, v, name1, meta, out)
+    call = AttentionCall(name0, q, k, v, meta, out, blend_kv)
+    assert blend.attention_begin(call) is call  # not a check layer
+    cut = blend.attention_begin(call.replace(layer_name=name1))
+    q2, o2 = cut.query, cut.output
     assert blend.step.active.tolist() == [1, 3, 4, 5]
     assert torch.equal(q2, q[[1, 3, 4, 5]]) and o2.shape[0] == 4
     assert meta.slot_mapping.tolist() == [9, 11, 12, 13]
     assert meta.query_start_loc.tolist() == [0, 4]
     assert (meta.num_actual_tokens, meta.max_query_len) == (4, 4)
     # later layers: positions and residual shrink, attention uses true positions
-    pos, _hid, res = blend.layer_begin(2, torch.arange(4, 10), torch.randn(4, 8), torch.randn(6, 8))
+    rows = LayerRows(torch.arange(4, 10), torch.randn(4, 8), torch.randn(6, 8))
+    pos, _hid, res = blend.layer_begin(2, rows)
     assert pos.tolist() == [5, 7, 8, 9] and res.shape[0] == 4
-    assert blend.sparse_attention(name1, q2, blend_kv, meta, o2)
+    assert blend.sparse_attention(cut)
     assert blend.execute_finished(torch.tensor([5])).tolist() == [3]
     blend.bind_step(None)
-    assert not blend.sparse_attention(name1, q2, blend_kv, meta, o2)
+    assert not blend.sparse_attention(cut)

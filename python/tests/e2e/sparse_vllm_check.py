@@ -37,7 +37,7 @@ from ucm.testing.harness import prepare_engine_child
 prepare_engine_child()
 
 # After the environment: ucm.sparse reads TRITON_INTERPRET when imported.
-from ucm.sparse.base import UcmSparseBase  # noqa: E402
+from ucm.sparse.base import AttentionCall, UcmSparseBase  # noqa: E402
 from ucm.sparse.gsa import GSA  # noqa: E402
 
 BLOCK = 32
@@ -62,16 +62,12 @@ class CountingSparse(UcmSparseBase):
         self.calls["build_sparse_meta"] += 1
         return super().build_sparse_meta(scheduler_output)
 
-    def attention_begin(
-        self, query, key, value, layer_name, forward_context=None, output=None, **kw
-    ):
+    def attention_begin(self, call: AttentionCall) -> AttentionCall:
         # Counts only calls inside a step (between build_sparse_meta and execute_finished).
         self.calls["attention_begin"] += int(self.has_sparse_metadata())
-        return query, key, value, output
+        return call
 
-    def attention_finished(
-        self, query, key, value, attn_output, layer_name, forward_context=None, **kw
-    ):
+    def attention_finished(self, call: AttentionCall) -> None:
         self.calls["attention_finished"] += 1
 
 

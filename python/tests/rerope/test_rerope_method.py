@@ -9,7 +9,7 @@ import torch
 
 from ucm.integration.vllm.sparse.rerope import ReRoPERotary
 from ucm.shared.config import ConfigError
-from ucm.sparse import SparseModelInfo, UcmSparseFactory, UcmSparseRole
+from ucm.sparse import AttentionCall, SparseModelInfo, UcmSparseFactory, UcmSparseRole
 from ucm.sparse.factory import build_method_config
 from ucm.sparse.kernels.attention import reference as attention_ref
 from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
@@ -84,15 +84,16 @@ def test_hooks_write_k2_and_compute_rerope() -> None:
     )
     out = torch.zeros(n, 4, 32)
     agent.stash(NAME, q_w, k2)
-    agent.attention_begin(q_rot, k_rot, v, NAME, meta, out)
+    call = AttentionCall(NAME, q_rot, k_rot, v, meta, out, kv)
+    assert agent.attention_begin(call) is call
     assert torch.equal(agent.k2_caches[NAME][3, : n - 16], k[16:])
-    assert agent.sparse_attention(NAME, q_rot, kv, meta, out)
+    assert agent.sparse_attention(call)
     expected = ref.rerope_attention_dense(q, k, v, cs, 8, 16)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # short step (every sequence within the window): the backend runs
     agent.stash(NAME, q_w, k2)
     meta.max_seq_len = 8
-    assert not agent.sparse_attention(NAME, q_rot, kv, meta, out)
+    assert not agent.sparse_attention(call)
     assert agent.calls == {"rerope": 1, "native": 1}
     always, _ = _agent(window=8, always_on=True)
     always.stash(NAME, q_w, k2)

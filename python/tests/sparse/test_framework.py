@@ -14,9 +14,11 @@ from ucm.integration.vllm.sparse import state
 from ucm.shared.config import ConfigError
 from ucm.sparse import (
     INVALID_SLOT,
+    AttentionCall,
     ESAConfig,
     GSAConfig,
     KVStarConfig,
+    LayerRows,
     SparseModelInfo,
     UcmSparseBase,
     UcmSparseFactory,
@@ -40,25 +42,25 @@ class Recorder(UcmSparseBase):
         self.bind_sparse_metadata(meta)
         return meta
 
-    def attention_begin(self, query, key, value, layer_name, forward_context=None, output=None,
-                        phase=None, **kw):  # fmt: skip
-        return query * 2, key, value, output
+    def attention_begin(self, call):
+        return call.replace(query=call.query * 2)
 
 
 def test_base_defaults_pass_through() -> None:
     m = UcmSparseBase(INFO, UcmSparseRole.WORKER)
     q, k, v = torch.ones(2), torch.zeros(2), torch.ones(3)
-    assert m.attention_begin(q, k, v, "l0") == (q, k, v, None)
-    assert m.attention_finished(q, k, v, q, "l0") is None
+    call = AttentionCall("l0", q, k, v)
+    assert m.attention_begin(call) is call
+    assert m.attention_finished(call) is None
     pos, h, r = torch.arange(3), torch.ones(3, 4), None
-    assert m.layer_begin(0, pos, h, r) == (pos, h, r)
-    assert m.layer_finished(0, pos, h, r) == (pos, h, r)
+    rows = LayerRows(pos, h, r)
+    assert m.layer_begin(0, rows) is rows and m.layer_finished(0, rows) is rows
     assert m.ffn_begin(h, r) == (h, r) and m.ffn_finished(h, r) == (h, r)
     idx = torch.tensor([1, 2])
     assert m.execute_finished(idx) is idx
     assert m.estimate_num_slots_sparsed(object()) == INVALID_SLOT
     assert m.allocate_slots(None, None, 5) is None
-    assert not m.sparse_attention("l0", q, k, None, q)
+    assert not m.sparse_attention(call.replace(output=q))
     meta = m.build_sparse_meta(None)
     assert m.has_sparse_metadata() and m.sparse_metadata is meta
     m.clear_sparse_metadata()
@@ -120,21 +122,22 @@ def test_factory_registers_user_method(tmp_path: Path, monkeypatch: pytest.Monke
         assert isinstance(m, Recorder)
         assert m.build_sparse_meta(7).step == 7
         q = torch.ones(2)
-        assert torch.equal(m.attention_begin(q, q, q, "l")[0], q * 2)
+        assert torch.equal(m.attention_begin(AttentionCall("l", q, q, q)).query, q * 2)
     finally:
         UcmSparseFactory.unregister_sparse_method("MySparse")
-    UcmSparseFactory.register_sparse_method("Broken", "json", "dumps")
+
+
+@pytest.mark.parametrize(
+    ("class_name", "match"),
+    [("dumps", "not a UcmSparseBase"), ("NoSuchClass", "has no class 'NoSuchClass'")],
+)
+def test_factory_rejects_a_bad_registration(class_name: str, match: str) -> None:
+    UcmSparseFactory.register_sparse_method("Bad", "json", class_name)
     try:
-        with pytest.raises(ConfigError, match="not a UcmSparseBase"):
-            UcmSparseFactory.get_class("Broken")
+        with pytest.raises(ConfigError, match=match):
+            UcmSparseFactory.get_class("Bad")
     finally:
-        UcmSparseFactory.unregister_sparse_method("Broken")
-    UcmSparseFactory.register_sparse_method("Missing", "json", "NoSuchClass")
-    try:
-        with pytest.raises(ConfigError, match="has no 'NoSuchClass'"):
-            UcmSparseFactory.get_class("Missing")
-    finally:
-        UcmSparseFactory.unregister_sparse_method("Missing")
+        UcmSparseFactory.unregister_sparse_method("Bad")
 
 
 def test_parse_seed_yaml_shape() -> None:

@@ -37,8 +37,8 @@ def decode_tensors(prompt_len: int, steps: int, layers: int = 2, seed: int = 0):
     """
     ks, vs, qs, rel = [], [], [], []
     for layer in range(layers):
-        c = planted_case(prompt_len + steps, B, H_KV, G, D, num_relevant=4,
-                         num_queries=steps, seed=seed * 10 + layer, planted_fraction=0.5,
+        c = planted_case(prompt_len + steps, info(), num_relevant=4, num_queries=steps,
+                         seed=seed * 10 + layer, planted_fraction=0.5,
                          boost=(6.0, 8.0))  # fmt: skip
         ks.append(c.k)
         vs.append(c.v)
@@ -59,7 +59,7 @@ def test_topk_sorted_is_stable_and_ordered() -> None:
 
 
 def test_esa_scores_find_planted_blocks() -> None:
-    c = planted_case(64 * B, B, H_KV, G, D, num_relevant=5, seed=3)
+    c = planted_case(64 * B, info(), num_relevant=5, seed=3)
     kc, _, ids = c.paged()
     reps = esa_representatives(kc, ids.long(), 8)
     assert reps.shape == (64, B // 8, H_KV, D)
@@ -175,7 +175,7 @@ def test_kvstar_channels_pick_largest_magnitude() -> None:
 
 
 def test_kvstar_votes_select_planted_blocks() -> None:
-    c = planted_case(48 * B, B, H_KV, G, D, num_relevant=4, num_queries=4, seed=5,
+    c = planted_case(48 * B, info(), num_relevant=4, num_queries=4, seed=5,
                      planted_fraction=0.5, boost=(5.0, 7.0))  # fmt: skip
     kv = KVStar(info(1), Role.WORKER, KVStarConfig(sparse_ratio=0.1, retrieval_stride=4,
                                                   async_retrieval=False))  # fmt: skip
@@ -233,7 +233,7 @@ def test_gsa_code_cache_written_through_slots() -> None:
 
 
 def test_gsa_select_planted_and_forced_blocks() -> None:
-    c = planted_case(40 * B + 5, B, H_KV, G, D, num_relevant=3, seed=7, boost=(6.0, 8.0),
+    c = planted_case(40 * B + 5, info(), num_relevant=3, seed=7, boost=(6.0, 8.0),
                      planted_fraction=1.0)  # fmt: skip
     enc = SRPHashEncoder(D, 128, seed=0)
     codes = torch.zeros(64, B, H_KV, 4, dtype=torch.int32)
@@ -301,7 +301,8 @@ def test_gsa_full_ratio_is_exactly_dense() -> None:
 
 
 def test_random_llama_case_shapes() -> None:
-    c = random_llama_case(seq_len=256, block_size=B, num_kv_heads=H_KV, group=G, head_dim=32,
-                          num_queries=3)  # fmt: skip
+    model = SparseModelInfo(block_size=B, num_layers=2, num_heads=H_KV * G, num_kv_heads=H_KV,
+                            head_dim=32)  # fmt: skip
+    c = random_llama_case(256, model, num_queries=3)
     assert c.k.shape == (256, H_KV, 32) and c.queries.shape == (3, H_KV * G, 32)
     assert torch.isfinite(c.k).all() and torch.isfinite(c.queries).all()

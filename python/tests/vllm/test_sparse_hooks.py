@@ -16,7 +16,7 @@ from ucm.integration.vllm.sparse.hooks import (
     install_scheduler_hooks,
     install_worker_hooks,
 )
-from ucm.sparse import SparseModelInfo, UcmSparseBase, UcmSparseRole
+from ucm.sparse import AttentionCall, SparseModelInfo, UcmSparseBase, UcmSparseRole
 
 INFO = SparseModelInfo(block_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 OK = "0.32.0+cpu"
@@ -64,22 +64,18 @@ class Agent(UcmSparseBase):
         self.take_over = take_over
         self.events: list[str] = []
 
-    def attention_begin(
-        self, query, key, value, layer_name, forward_context=None, output=None, phase=None, **kw
-    ):
-        self.events.append(f"begin:{layer_name}")
-        return query, key, value, output
+    def attention_begin(self, call: AttentionCall) -> AttentionCall:
+        self.events.append(f"begin:{call.layer_name}")
+        return call
 
-    def sparse_attention(self, layer_name, query, kv_cache, attn_metadata, output) -> bool:
-        self.events.append(f"sparse:{layer_name}")
+    def sparse_attention(self, call: AttentionCall) -> bool:
+        self.events.append(f"sparse:{call.layer_name}")
         if self.take_over:
-            output.fill_(2.0)
+            call.output.fill_(2.0)
         return self.take_over
 
-    def attention_finished(
-        self, query, key, value, attn_output, layer_name, forward_context=None, phase=None, **kw
-    ):
-        self.events.append(f"finished:{layer_name}:{float(attn_output[0])}")
+    def attention_finished(self, call: AttentionCall) -> None:
+        self.events.append(f"finished:{call.layer_name}:{float(call.output[0])}")
 
 
 def _layers() -> dict[str, SimpleNamespace]:

@@ -17,6 +17,8 @@ CPU tensors without ``TRITON_INTERPRET=1``) every op runs its torch reference.
 
 from ucm.sparse.base import (
     INVALID_SLOT,
+    AttentionCall,
+    LayerRows,
     SparseModelInfo,
     SparseNeeds,
     UcmSparseBase,
@@ -37,9 +39,11 @@ from ucm.sparse.kvstar.config import KVStarConfig
 __all__ = [
     "HAS_TRITON",
     "INVALID_SLOT",
+    "AttentionCall",
     "ESAConfig",
     "GSAConfig",
     "KVStarConfig",
+    "LayerRows",
     "SparseMethodSpec",
     "SparseModelInfo",
     "SparseNeeds",

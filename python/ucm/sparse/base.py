@@ -43,10 +43,11 @@ connector the vLLM call sites are listed in
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -146,6 +147,47 @@ class SparseModelInfo:
             dtype=mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.float32,
             device=str(device or "cpu"),
         )
+
+
+class LayerRows(NamedTuple):
+    """The token rows entering or leaving a decoder layer (the layer hooks'
+    operands; a method that drops rows returns fewer of each)."""
+
+    positions: torch.Tensor
+    hidden_states: torch.Tensor
+    residual: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention layer's call, as the attention hooks see it.
+
+    The engine integration builds it once per layer and step and hands it to
+    :meth:`UcmSparseBase.attention_begin`, then to
+    :meth:`~UcmSparseBase.sparse_attention` and
+    :meth:`~UcmSparseBase.attention_finished`. A hook that replaces an
+    operand returns a copy (:meth:`replace`).
+    """
+
+    layer_name: str
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_metadata: Any = None
+    """The layer's attention metadata (the original UCM's ``forward_context``):
+    ``slot_mapping``, ``query_start_loc``, ``seq_lens``, ``block_table``, ...;
+    ``None`` where the caller has none."""
+    output: torch.Tensor | None = None
+    """Where the attention writes; in :meth:`~UcmSparseBase.attention_finished`,
+    what it wrote."""
+    kv_cache: torch.Tensor | None = None
+    """The layer's paged KV cache (``None`` where the caller has none)."""
+    scale: float | None = None
+    """The softmax scale (``None``: the method's own, or ``D ** -0.5``)."""
+
+    def replace(self, **changes: Any) -> AttentionCall:
+        """A copy with ``changes`` (field name -> new value)."""
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -309,25 +351,13 @@ class UcmSparseBase:
         indices (a method that drops tokens remaps them)."""
         return logits_indices
 
-    def layer_begin(
-        self,
-        layer_idx: int,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def layer_begin(self, layer_idx: int, rows: LayerRows) -> LayerRows:
         """Start of a decoder layer; may shrink the token set (Blend-style)."""
-        return positions, hidden_states, residual
+        return rows
 
-    def layer_finished(
-        self,
-        layer_idx: int,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def layer_finished(self, layer_idx: int, rows: LayerRows) -> LayerRows:
         """End of a decoder layer."""
-        return positions, hidden_states, residual
+        return rows
 
     def ffn_begin(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -341,57 +371,31 @@ class UcmSparseBase:
         """After the MLP of a decoder layer."""
         return hidden_states, residual
 
-    def attention_begin(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_name: str,
-        forward_context: Any = None,
-        output: torch.Tensor | None = None,
-        phase: str | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def attention_begin(self, call: AttentionCall) -> AttentionCall:
         """Before one attention layer's kernel (after its KV layer load).
 
         May wait for block loads into this layer, swap the layer's block table
-        and sequence lengths for the selected ones, or replace q/k/v/output.
-        ``phase`` is ``"prefill"``, ``"decode"`` or ``None`` (mixed batch).
+        and sequence lengths for the selected ones, or replace q/k/v/output
+        (``call.replace(query=...)``). Returns the call the layer goes on with.
         """
-        return query, key, value, output
+        return call
 
-    def attention_finished(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_output: torch.Tensor,
-        layer_name: str,
-        forward_context: Any = None,
-        phase: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """After one attention layer's kernel, before its KV layer save.
+    def sparse_attention(self, call: AttentionCall) -> bool:
+        """Optionally computes a layer's decode attention itself.
+
+        Returns True when ``call.output`` was filled (the hook layer then
+        skips the backend's attention for those tokens; the new K/V were
+        already written to ``call.kv_cache``). The default declines.
+        """
+        return False
+
+    def attention_finished(self, call: AttentionCall) -> None:
+        """After one attention layer's kernel (``call.output`` holds its
+        result), before its KV layer save.
 
         Build representatives (end of prefill), start retrievals, restore the
         metadata swapped in :meth:`attention_begin`.
         """
-
-    def sparse_attention(
-        self,
-        layer_name: str,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: Any,
-        output: torch.Tensor,
-    ) -> bool:
-        """Optionally computes a layer's decode attention itself.
-
-        Returns True when ``output`` was filled (the hook layer then skips the
-        backend's attention for those tokens; the new K/V were already written
-        to ``kv_cache``). The default declines.
-        """
-        return False
 
     def shutdown(self) -> None:
         """Releases threads and buffers (engine shutdown)."""

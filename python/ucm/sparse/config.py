@@ -13,8 +13,9 @@ for an unknown key, lists the valid ones.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ucm.shared.config import ConfigError
@@ -31,6 +32,27 @@ def require_at_least(key: str, value: int, lo: int) -> None:
     """A config check: ``value >= lo``, else :class:`ConfigError` naming ``key``."""
     if value < lo:
         raise ConfigError(f"{key}: must be >= {lo}, got {value}")
+
+
+def ratio(default: float) -> Any:
+    """A config dataclass field whose value must be in ``(0, 1]`` (:func:`check_fields`).
+    A subclass that changes the default declares the field the same way."""
+    return field(default=default, metadata={"check": require_ratio})
+
+
+def at_least(lo: int, *, default: int) -> Any:
+    """A config dataclass field whose value must be ``>= lo`` (:func:`check_fields`).
+    A subclass that changes the default declares the field the same way."""
+    return field(default=default, metadata={"check": functools.partial(require_at_least, lo=lo)})
+
+
+def check_fields(config: Any) -> None:
+    """Runs the checks a config dataclass's fields declare (:func:`ratio`,
+    :func:`at_least`), in field order; call it from ``__post_init__``."""
+    for f in fields(config):
+        check = f.metadata.get("check")
+        if check is not None:
+            check(f.name, getattr(config, f.name))
 
 
 @dataclass(frozen=True)

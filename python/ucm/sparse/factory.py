@@ -11,27 +11,30 @@ Built-in names: ``ESA``, ``GSA`` (alias ``GSAOnDevice``) and ``KVStar`` (alias
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ucm.shared.config import ConfigError, build_dataclass
+from ucm.shared.registry import LazyRegistry
 from ucm.sparse.base import UcmSparseBase, UcmSparseRole
 
 #: The connector config key that selects a method (``{NAME: {...}}``).
 SPARSE_CONFIG_KEY = "ucm_sparse_config"
 
 
-class UcmSparseFactory:
+class UcmSparseFactory(LazyRegistry[UcmSparseBase]):
     """Registry of :class:`UcmSparseBase` subclasses by name."""
 
-    _registry: ClassVar[dict[str, tuple[str, str]]] = {
+    _entries: ClassVar[dict[str, tuple[str, str]]] = {
         "ESA": ("ucm.sparse.esa", "ESA"),
         "GSA": ("ucm.sparse.gsa", "GSA"),
         "KVStar": ("ucm.sparse.kvstar", "KVStar"),
         "Blend": ("ucm.sparse.blend", "Blend"),
         "ReRoPE": ("ucm.sparse.rerope", "ReRoPE"),
     }
+    kind = "sparse method"
+    base = UcmSparseBase
+    error = ConfigError
     _aliases: ClassVar[dict[str, str]] = {
         "GSAOnDevice": "GSA",
         "KVStarMultiStep": "KVStar",
@@ -44,25 +47,20 @@ class UcmSparseFactory:
 
         Raises ``ValueError`` if the name (or an alias) is taken.
         """
-        if name in cls._registry or name in cls._aliases:
+        if name in cls._aliases:
             raise ValueError(f"sparse method {name!r} is already registered")
-        cls._registry[name] = (module_path, class_name)
+        cls._register(name, module_path, class_name)
 
     @classmethod
     def unregister_sparse_method(cls, name: str) -> None:
         """Removes a registration (mostly for tests)."""
-        cls._registry.pop(name, None)
-
-    @classmethod
-    def registered(cls) -> list[str]:
-        """Canonical names that can be created."""
-        return sorted(cls._registry)
+        cls._unregister(name)
 
     @classmethod
     def canonical_name(cls, name: str) -> str:
         """``name`` with aliases resolved; :class:`ConfigError` if unknown."""
         name = cls._aliases.get(name, name)
-        if name not in cls._registry:
+        if name not in cls._entries:
             raise ConfigError(
                 f"unknown sparse method {name!r} in ucm_sparse_config; "
                 f"registered: {', '.join(cls.registered())}"
@@ -71,18 +69,8 @@ class UcmSparseFactory:
 
     @classmethod
     def get_class(cls, name: str) -> type[UcmSparseBase]:
-        """Imports and returns the class registered under ``name``."""
-        name = cls.canonical_name(name)
-        module_path, class_name = cls._registry[name]
-        module = importlib.import_module(module_path)
-        method_cls = getattr(module, class_name, None)
-        if method_cls is None:
-            raise ConfigError(f"sparse method {name!r}: {module_path} has no {class_name!r}")
-        if not (isinstance(method_cls, type) and issubclass(method_cls, UcmSparseBase)):
-            raise ConfigError(
-                f"sparse method {name!r}: {module_path}.{class_name} is not a UcmSparseBase"
-            )
-        return method_cls
+        """Imports and returns the class registered under ``name`` (or an alias)."""
+        return super().get_class(cls.canonical_name(name))
 
     @classmethod
     def create_sparse_method(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import UcmSparseBase
+from ucm.sparse.base import AttentionCall, LayerRows, UcmSparseBase
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, plan_request
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.method import Blend, build_step
@@ -41,34 +41,29 @@ from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
 from ucm.sparse.kernels.views import kv_views
 from ucm.sparse.rerope.config import ReRoPEConfig
 from ucm.sparse.rerope.reference import rerope_prepare
+from ucm.testing.tiny_model import TinyModelSpec
 
 
 @dataclass(frozen=True)
-class TinyLlamaSpec:
-    """Shape of the model (defaults: 4 layers, hidden 128, 4 heads, 2 kv heads)."""
+class TinyLlamaSpec(TinyModelSpec):
+    """The shape of the model (:class:`~ucm.testing.tiny_model.TinyModelSpec`)
+    and what the reference computes with beyond it."""
 
-    vocab: int = 512
-    hidden: int = 128
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int | None = None
-    intermediate: int = 256
+    head_size: int | None = None
+    """The checkpoint's ``head_dim`` where it is not ``hidden / heads``."""
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
-    max_positions: int = 16384
     rotary_dim: int | None = None
     is_neox: bool = True
-    seed: int = 0
     init_std: float = 0.06
 
     @property
-    def d(self) -> int:
-        return self.head_dim or self.hidden // self.heads
+    def head_dim(self) -> int:
+        return self.head_size or super().head_dim
 
     @property
     def rot(self) -> int:
-        return self.rotary_dim or self.d
+        return self.rotary_dim or self.head_dim
 
 
 def layer_name(i: int) -> str:
@@ -93,7 +88,7 @@ class TinyLlama:
         def rnd(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=g) * spec.init_std
 
-        d, hq, hk = spec.d, spec.heads, spec.kv_heads
+        d, hq, hk = spec.head_dim, spec.heads, spec.kv_heads
         w = {
             "model.embed_tokens.weight": rnd(spec.vocab, spec.hidden),
             "model.norm.weight": torch.ones(spec.hidden),
@@ -125,7 +120,7 @@ class TinyLlama:
             layers=cfg["num_hidden_layers"],
             heads=cfg["num_attention_heads"],
             kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            head_dim=cfg.get("head_dim"),
+            head_size=cfg.get("head_dim"),
             intermediate=cfg["intermediate_size"],
             rope_theta=float(
                 cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
@@ -160,9 +155,9 @@ class TinyLlama:
 
     def qkv(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, p = self.spec, f"model.layers.{i}.self_attn."
-        q = (x @ self.w[p + "q_proj.weight"].T).view(-1, s.heads, s.d)
-        k = (x @ self.w[p + "k_proj.weight"].T).view(-1, s.kv_heads, s.d)
-        v = (x @ self.w[p + "v_proj.weight"].T).view(-1, s.kv_heads, s.d)
+        q = (x @ self.w[p + "q_proj.weight"].T).view(-1, s.heads, s.head_dim)
+        k = (x @ self.w[p + "k_proj.weight"].T).view(-1, s.kv_heads, s.head_dim)
+        v = (x @ self.w[p + "v_proj.weight"].T).view(-1, s.kv_heads, s.head_dim)
         return q, k, v
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -179,12 +174,12 @@ class PagedKV:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv = {
-            layer_name(i): torch.zeros(num_blocks, spec.kv_heads, block_size, 2 * spec.d)
+            layer_name(i): torch.zeros(num_blocks, spec.kv_heads, block_size, 2 * spec.head_dim)
             for i in range(spec.layers)
         }
         self.k2 = (
             {
-                layer_name(i): torch.zeros(num_blocks, block_size, spec.kv_heads, spec.d)
+                layer_name(i): torch.zeros(num_blocks, block_size, spec.kv_heads, spec.head_dim)
                 for i in range(spec.layers)
             }
             if k2
@@ -262,12 +257,12 @@ def forward(
     hidden = model.embed(torch.tensor(seq.tokens[start:]))
     residual: torch.Tensor | None = None
     logits_idx = torch.tensor([n - start - 1])
-    scale = 1.0 / math.sqrt(s.d)
+    scale = 1.0 / math.sqrt(s.head_dim)
     for i in range(s.layers):
         name = layer_name(i)
         pos = positions
         if agent is not None:
-            pos, hidden, residual = agent.layer_begin(i, positions, hidden, residual)
+            pos, hidden, residual = agent.layer_begin(i, LayerRows(positions, hidden, residual))
         x, residual = model._add_norm(hidden, residual, f"model.layers.{i}.input_layernorm.weight")
         q, k, v = model.qkv(i, x)
         if rerope is not None:
@@ -284,8 +279,10 @@ def forward(
             q = apply_rope(q, pos, model.cos_sin_cache, s.is_neox)
             k = apply_rope(k, pos, model.cos_sin_cache, s.is_neox)
         out = torch.empty_like(q)
+        call = AttentionCall(name, q, k, v, meta, out, kv_cache=cache.kv[name], scale=scale)
         if agent is not None:
-            q, k, v, out = agent.attention_begin(q, k, v, name, meta, out)
+            call = agent.attention_begin(call)
+        q, k, v, out = call.query, call.key, call.value, call.output
         k_view, v_view = cache.views(name)
         attention.write_kv(k_view, k, meta.slot_mapping)
         attention.write_kv(v_view, v, meta.slot_mapping)
@@ -302,7 +299,7 @@ def forward(
                 out=out,
                 impl=impl,
             )
-        elif agent is None or not agent.sparse_attention(name, q, cache.kv[name], meta, out):
+        elif agent is None or not agent.sparse_attention(call):
             attention.paged_attention(
                 *paged,
                 pos[-q.shape[0] :],

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ucm.sparse.base import SparseModelInfo
+
 
 @dataclass
 class SparseCase:
@@ -59,11 +61,8 @@ class SparseCase:
 
 
 def planted_case(
-    seq_len: int = 4096,
-    block_size: int = 32,
-    num_kv_heads: int = 2,
-    group: int = 4,
-    head_dim: int = 128,
+    seq_len: int,
+    model: SparseModelInfo,
     num_relevant: int = 12,
     num_queries: int = 8,
     planted_fraction: float = 0.25,
@@ -71,7 +70,8 @@ def planted_case(
     query_noise: float = 0.6,
     seed: int = 0,
 ) -> SparseCase:
-    """Random KV with ``num_relevant`` planted middle blocks.
+    """Random KV of ``model``'s block size, heads and head size, with
+    ``num_relevant`` planted middle blocks.
 
     In each relevant block a ``planted_fraction`` of the tokens get
     ``boost * u_h`` added to their key (``u_h`` a unit direction per kv head,
@@ -80,7 +80,8 @@ def planted_case(
     ``u_h``; consecutive decode queries differ by fresh noise.
     """
     g = torch.Generator().manual_seed(seed)
-    h, d, b = num_kv_heads, head_dim, block_size
+    h, d, b = model.num_kv_heads, model.head_dim, model.block_size
+    group = model.num_heads // h
     k = torch.randn(seq_len, h, d, generator=g)
     v = torch.randn(seq_len, h, d, generator=g)
     n = -(-seq_len // b)
@@ -97,7 +98,7 @@ def planted_case(
     noise = torch.randn(num_queries, h, group, d, generator=g) * query_noise / math.sqrt(d)
     q = math.sqrt(d) * (u[None, :, None, :] + noise)
     q = q.reshape(num_queries, h * group, d)
-    return SparseCase(f"planted-s{seed}", k, v, q, block_size, relevant)
+    return SparseCase(f"planted-s{seed}", k, v, q, b, relevant)
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -114,18 +115,15 @@ def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def random_llama_case(
-    seq_len: int = 2048,
-    block_size: int = 32,
-    num_kv_heads: int = 2,
-    group: int = 4,
-    head_dim: int = 64,
-    num_layers: int = 2,
+    seq_len: int,
+    model: SparseModelInfo,
     capture_layer: int = -1,
     num_queries: int = 8,
     vocab: int = 512,
     seed: int = 0,
 ) -> SparseCase:
-    """q/k/v of one layer of a random Llama-style decoder on random tokens.
+    """q/k/v of one layer of a random Llama-style decoder of ``model``'s
+    layers, heads and head size, on random tokens.
 
     The token sequence repeats random segments (as documents quote themselves),
     so some keys recur. The model runs causally over the whole sequence (fp32,
@@ -133,7 +131,8 @@ def random_llama_case(
     ``capture_layer`` are the decode queries.
     """
     g = torch.Generator().manual_seed(seed)
-    h_kv, h_q, d = num_kv_heads, num_kv_heads * group, head_dim
+    h_kv, h_q, d = model.num_kv_heads, model.num_heads, model.head_dim
+    group, num_layers = h_q // h_kv, model.num_layers
     hidden = h_q * d
     inter = 2 * hidden
 
@@ -176,4 +175,4 @@ def random_llama_case(
         x = x + (torch.nn.functional.silu(hn @ gate) * (hn @ up)) @ down
     assert captured is not None
     q, k, v = captured
-    return SparseCase(f"random-llama-s{seed}", k, v, q, block_size)
+    return SparseCase(f"random-llama-s{seed}", k, v, q, model.block_size)

@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import SparseNeeds, UcmSparseBase, UcmSparseRole, layer_index
+from ucm.sparse.base import (
+    AttentionCall,
+    LayerRows,
+    SparseNeeds,
+    UcmSparseBase,
+    UcmSparseRole,
+    layer_index,
+)
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan, BlockLookup, plan_request
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.select import BlendRequestRows, BlendStep
@@ -149,38 +156,33 @@ class Blend(UcmSparseBase):
     def _is_check_layer(self, layer_name: str) -> float | None:
         return self._shares.get(layer_index(layer_name))
 
-    def attention_begin(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_name: str,
-        forward_context: Any = None,
-        output: torch.Tensor | None = None,
-        phase: str | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def attention_begin(self, call: AttentionCall) -> AttentionCall:
         """At a check layer: HKVD selection; q/k/v/output and the metadata cut to the kept rows.
 
         Must run before this layer's KV write (the loaded keys are compared
-        with the fresh ones). ``forward_context`` is the layer's attention
-        metadata; its ``slot_mapping``, ``query_start_loc``,
-        ``num_actual_tokens`` and ``max_query_len`` are rewritten in place
-        when present.
+        with the fresh ones). The call's ``attn_metadata`` has its
+        ``slot_mapping``, ``query_start_loc``, ``num_actual_tokens`` and
+        ``max_query_len`` rewritten in place when present.
         """
         step = self.step
-        share = self._is_check_layer(layer_name)
+        share = self._is_check_layer(call.layer_name)
         if step is None or share is None:
-            return query, key, value, output
-        k_view = self._k_views[layer_name]
+            return call
+        key = call.key
+        k_view = self._k_views[call.layer_name]
         slots = step.slots[step.active].to(key.device)
         has_cached = step.reused[step.active].to(key.device)
         dev = keys.kv_deviation(k_view, torch.where(has_cached, slots, -1), key, impl=self.impl)
-        local = step.select(layer_index(layer_name), dev.cpu(), share).to(query.device)
-        query, key, value = query[local], key[local], value[local]
-        if output is not None:
-            output = output[local]
-        meta = forward_context
+        local = step.select(layer_index(call.layer_name), dev.cpu(), share)
+        local = local.to(call.query.device)
+        output = call.output
+        call = call.replace(
+            query=call.query[local],
+            key=key[local],
+            value=call.value[local],
+            output=None if output is None else output[local],
+        )
+        meta = call.attn_metadata
         if meta is not None:
             if hasattr(meta, "slot_mapping"):
                 meta.slot_mapping = step.slots[step.active].to(meta.slot_mapping.device)
@@ -191,52 +193,41 @@ class Blend(UcmSparseBase):
                 meta.num_actual_tokens = step.num_active
             if hasattr(meta, "max_query_len"):
                 meta.max_query_len = int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0
-        return query, key, value, output
+        return call
 
-    def sparse_attention(
-        self,
-        layer_name: str,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: Any,
-        output: torch.Tensor,
-        scale: float | None = None,
-    ) -> bool:
+    def sparse_attention(self, call: AttentionCall) -> bool:
         """After rows were dropped: attention of the surviving rows at their true positions.
 
         Backends infer a query's position from its index (bottom-right
         causal), which is wrong for a non-contiguous subset of a prompt; this
         attends key ``j`` iff ``j <= position``. Declines (False) otherwise.
+        The scale is the call's, else the metadata's ``scale``, else ``D ** -0.5``.
         """
         step = self.step
         if step is None or not step.shrunk:
             return False
-        k_view, v_view = kv_views(kv_cache)
+        assert call.kv_cache is not None and call.output is not None
+        md, query = call.attn_metadata, call.query
+        k_view, v_view = kv_views(call.kv_cache)
         attention.paged_attention(
             query,
             k_view,
             v_view,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
+            md.block_table,
+            md.seq_lens,
             step.active_query_start_loc().to(query.device),
             step.positions[step.active].to(query.device),
-            scale if scale is not None else getattr(attn_metadata, "scale", None),
-            out=output,
+            call.scale if call.scale is not None else getattr(md, "scale", None),
+            out=call.output,
             impl=self.impl,
         )
         return True
 
-    def layer_begin(
-        self,
-        layer_idx: int,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def layer_begin(self, layer_idx: int, rows: LayerRows) -> LayerRows:
         step = self.step
         if step is None or not step.shrunk:
-            return positions, hidden_states, residual
-        return step.shrink(positions), step.shrink(hidden_states), step.shrink(residual)
+            return rows
+        return LayerRows(*(step.shrink(t) for t in rows))
 
     def ffn_begin(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucm.sparse.config import require_at_least
+from ucm.sparse.config import at_least, ratio
 from ucm.sparse.offload.config import OffloadConfig
 
 
@@ -18,16 +18,12 @@ class ESAConfig(OffloadConfig):
     layers at once (one block table), so no layer can stay dense.
     """
 
-    sparse_ratio: float = 0.3
+    sparse_ratio: float = ratio(0.3)
     """Share of the middle blocks kept in device KV: ``k = floor(R * sparse_ratio)``."""
-    block_repre_tokens: int = 4
+    block_repre_tokens: int = at_least(1, default=4)
     """Consecutive keys averaged into one representative: a block has
     ``B / block_repre_tokens`` of them. Fewer tokens find single salient keys
     (a fact the answer copies) better; the representatives stay on the device
     and take ``1 / block_repre_tokens`` of the middle blocks' K bytes, an
     eighth of their KV at 4 (the block size: one mean key per block, the
     original ESA's)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_at_least("block_repre_tokens", self.block_repre_tokens, 1)

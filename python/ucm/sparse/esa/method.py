@@ -27,7 +27,6 @@ There is no paper; the design is Quest/InfLLM-style (see
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -35,13 +34,7 @@ import torch
 from ucm.sparse.esa.config import ESAConfig
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.dispatch import Impl
-from ucm.sparse.offload import (
-    OffloadRetrieval,
-    OffloadSelectorBase,
-    OffloadSparseBase,
-    RetrievalCadence,
-    topk_sorted,
-)
+from ucm.sparse.offload import OffloadSelectorBase, OffloadSparseBase, RetrievalCadence
 
 
 def esa_representatives(
@@ -69,32 +62,21 @@ def esa_scores(q: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
 
 
 class ESASelector(OffloadSelectorBase):
-    """ESA state of one request: per-layer representatives and retrieval."""
+    """ESA state of one request: per-layer representatives and retrieval.
+    The first selection uses the first decode query, not the prefill's."""
 
-    def on_prefill_finished(
-        self,
-        layer: int,
-        k_cache: torch.Tensor,
-        prompt_block_ids: torch.Tensor,
-        prefill_queries: torch.Tensor | None = None,
-    ) -> None:
-        """Mean-key representatives of ``layer``'s middle blocks. The first
-        selection uses the first decode query, not ``prefill_queries``."""
-        p = self.plan
-        ids = prompt_block_ids[p.middle_start : p.middle_end]
+    cadence = RetrievalCadence.esa
+
+    def representatives(
+        self, layer: int, k_cache: torch.Tensor, prompt_block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean-key representatives of the middle blocks."""
         tokens = min(self.config.block_repre_tokens, k_cache.shape[1])
-        self.reps[layer] = esa_representatives(k_cache, ids, tokens, self.impl)
-        self.layers[layer] = OffloadRetrieval(
-            p.num_selected,
-            RetrievalCadence.esa(self.config.retrieval_stride),
-            functools.partial(self.select, layer),
-            self.executor,
-        )
+        return esa_representatives(k_cache, self.middle_blocks(prompt_block_ids), tokens, self.impl)
 
-    def select(self, layer: int, query: torch.Tensor) -> list[int]:
-        """Logical indices of the ``k`` best middle blocks for ``query`` ``[H_q, D]``."""
-        scores = esa_scores(query, self.reps[layer])
-        return [self.plan.middle_start + i for i in topk_sorted(scores, self.plan.num_selected)]
+    def scores(self, layer: int, queries: torch.Tensor) -> torch.Tensor:
+        """:func:`esa_scores` of the current query ``[H_q, D]``."""
+        return esa_scores(queries, self.reps[layer])
 
 
 class ESA(OffloadSparseBase):

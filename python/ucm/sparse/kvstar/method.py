@@ -21,7 +21,6 @@ No public paper; UCM's deleted ``kvstar.md`` is the source (see
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -32,11 +31,9 @@ from ucm.sparse.kvstar.config import KVStarConfig
 from ucm.sparse.offload import (
     Executor,
     OffloadPlan,
-    OffloadRetrieval,
     OffloadSelectorBase,
     OffloadSparseBase,
     RetrievalCadence,
-    topk_sorted,
 )
 
 
@@ -94,6 +91,9 @@ def kvstar_scores(
 class KVStarSelector(OffloadSelectorBase):
     """KVStar state of one request: per-layer channels, representatives, retrieval."""
 
+    cadence = RetrievalCadence.kvstar
+    groups_queries = True
+
     def __init__(
         self, plan: OffloadPlan, config: KVStarConfig, executor: Executor, impl: Impl = "auto"
     ) -> None:
@@ -101,46 +101,24 @@ class KVStarSelector(OffloadSelectorBase):
         self.channels: dict[int, torch.Tensor] = {}
         self.scale: float | None = None
 
-    def on_prefill_finished(
-        self,
-        layer: int,
-        k_cache: torch.Tensor,
-        prompt_block_ids: torch.Tensor,
-        prefill_queries: torch.Tensor | None = None,
-    ) -> None:
-        """Builds ``layer``'s channels and representatives.
-
-        ``prefill_queries`` ``[X, H_q, D]``: the last prefill queries of the
-        layer (at most ``retrieval_stride``), used by the first selection.
-        """
-        p = self.plan
+    def representatives(
+        self, layer: int, k_cache: torch.Tensor, prompt_block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``layer``'s channels, and the representatives of the middle blocks."""
         c = self.config
-        d = k_cache.shape[-1]
-        self.scale = 1.0 / math.sqrt(d)
-        ch = kvstar_channels(k_cache, prompt_block_ids, p.prompt_len, c.blk_repre_dim_prune_ratio)
-        ids = prompt_block_ids[p.middle_start : p.middle_end]
-        merge = min(c.blk_repre_inner_token_merge, k_cache.shape[1])
+        self.scale = 1.0 / math.sqrt(k_cache.shape[-1])
+        ch = kvstar_channels(
+            k_cache, prompt_block_ids, self.plan.prompt_len, c.blk_repre_dim_prune_ratio
+        )
         self.channels[layer] = ch
-        self.reps[layer] = kvstar_representatives(k_cache, ids, ch, merge, self.impl)
-        init = None
-        if prefill_queries is not None:
-            init = prefill_queries[-c.retrieval_stride :].detach().clone()
-        self.layers[layer] = OffloadRetrieval(
-            p.num_selected,
-            RetrievalCadence.kvstar(c.retrieval_stride),
-            functools.partial(self.select, layer),
-            self.executor,
-            group_size=c.retrieval_stride,
-            initial_queries=init,
-        )
+        merge = min(c.blk_repre_inner_token_merge, k_cache.shape[1])
+        ids = self.middle_blocks(prompt_block_ids)
+        return kvstar_representatives(k_cache, ids, ch, merge, self.impl)
 
-    def select(self, layer: int, queries: torch.Tensor) -> list[int]:
-        """Logical indices of the ``k`` most voted middle blocks."""
+    def scores(self, layer: int, queries: torch.Tensor) -> torch.Tensor:
+        """:func:`kvstar_scores`: the votes of the last queries ``[X, H_q, D]``."""
         assert self.scale is not None
-        votes = kvstar_scores(
-            queries, self.reps[layer], self.channels[layer], self.scale, self.impl
-        )
-        return [self.plan.middle_start + i for i in topk_sorted(votes, self.plan.num_selected)]
+        return kvstar_scores(queries, self.reps[layer], self.channels[layer], self.scale, self.impl)
 
 
 class KVStar(OffloadSparseBase):

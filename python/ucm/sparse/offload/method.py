@@ -15,14 +15,23 @@ three engine-neutral calls the vLLM hook layer (or a test) makes:
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
 from ucm.sparse.base import INVALID_SLOT, SparseNeeds, UcmSparseBase, UcmSparseRole
 from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.offload.plan import OffloadPlan, make_offload_plan
-from ucm.sparse.offload.retrieval import Executor, InlineExecutor, StepActions, ThreadExecutor
+from ucm.sparse.offload.retrieval import (
+    Executor,
+    InlineExecutor,
+    OffloadRetrieval,
+    RetrievalCadence,
+    StepActions,
+    ThreadExecutor,
+)
 
 
 def topk_sorted(scores: torch.Tensor, k: int, largest: bool = True) -> list[int]:
@@ -35,7 +44,20 @@ def topk_sorted(scores: torch.Tensor, k: int, largest: bool = True) -> list[int]
 
 
 class OffloadSelectorBase:
-    """Per-request selection state across layers (subclassed per method)."""
+    """Per-request selection state across layers (subclassed per method).
+
+    A method gives each layer's :meth:`representatives`, its :meth:`scores`
+    of the middle blocks for a query context and its :attr:`cadence`; the
+    selection (:meth:`select`) keeps the best ``num_selected`` blocks.
+    """
+
+    cadence: ClassVar[Callable[[int], RetrievalCadence]]
+    """When re-selections happen, given the ``retrieval_stride``
+    (``RetrievalCadence.esa``, say)."""
+    groups_queries: ClassVar[bool] = False
+    """A query context is the last ``retrieval_stride`` queries, and the first
+    selection votes with the last prefill queries (KVStar); False: the
+    current query (ESA)."""
 
     def __init__(
         self, plan: OffloadPlan, config: Any, executor: Executor, impl: Impl = "auto"
@@ -54,14 +76,46 @@ class OffloadSelectorBase:
         prompt_block_ids: torch.Tensor,
         prefill_queries: torch.Tensor | None = None,
     ) -> None:
-        """Builds ``layer``'s representatives from the prompt's blocks.
+        """Builds ``layer``'s representatives from the prompt's blocks and
+        starts its retrieval.
 
         ``prompt_block_ids`` ``[N]``: physical block of each logical prompt
         block in ``k_cache`` (``[num_blocks, B, H_kv, D]``), before
         compression; ``prefill_queries`` ``[X, H_q, D]``: the queries of the
-        chunk (a method may vote with the last ones).
+        chunk (used with :attr:`groups_queries`).
         """
+        self.reps[layer] = self.representatives(layer, k_cache, prompt_block_ids)
+        stride = self.config.retrieval_stride
+        first = None
+        if self.groups_queries and prefill_queries is not None:
+            first = prefill_queries[-stride:].detach().clone()
+        self.layers[layer] = OffloadRetrieval(
+            self.plan.num_selected,
+            self.cadence(stride),
+            functools.partial(self.select, layer),
+            self.executor,
+            group_size=stride if self.groups_queries else 1,
+            initial_queries=first,
+        )
+
+    def middle_blocks(self, prompt_block_ids: torch.Tensor) -> torch.Tensor:
+        """The physical blocks of the prompt's middle (the ones selected from)."""
+        return prompt_block_ids[self.plan.middle_start : self.plan.middle_end]
+
+    def representatives(
+        self, layer: int, k_cache: torch.Tensor, prompt_block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``layer``'s representatives of the middle blocks (see :meth:`on_prefill_finished`)."""
         raise NotImplementedError
+
+    def scores(self, layer: int, queries: torch.Tensor) -> torch.Tensor:
+        """``[n]`` score of each middle block for a query context."""
+        raise NotImplementedError
+
+    def select(self, layer: int, queries: torch.Tensor) -> list[int]:
+        """Logical indices of the ``num_selected`` best-scored middle blocks."""
+        best = topk_sorted(self.scores(layer, queries), self.plan.num_selected)
+        return [self.plan.middle_start + i for i in best]
 
     def begin_step(self, layer: int, step: int, query: torch.Tensor) -> StepActions:
         """Decode ``step`` of ``layer`` with query ``[H_q, D]``; see :class:`StepActions`."""

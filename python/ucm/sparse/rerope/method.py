@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import SparseNeeds, UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import AttentionCall, SparseNeeds, UcmSparseBase, UcmSparseRole
 from ucm.sparse.kernels import attention, keys
 from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.kernels.views import kv_views
@@ -158,62 +158,47 @@ class ReRoPE(UcmSparseBase):
             max_len = int(attn_metadata.seq_lens.max())
         return int(max_len) > self.window
 
-    def attention_begin(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_name: str,
-        forward_context: Any = None,
-        output: torch.Tensor | None = None,
-        phase: str | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def attention_begin(self, call: AttentionCall) -> AttentionCall:
         """Writes the stashed un-rotated keys into the K2 cache (q/k/v unchanged)."""
-        meta = forward_context
-        entry = self._stash.get(layer_name)
-        if meta is None or entry is None or layer_name not in self.k2_caches:
-            return query, key, value, output
+        meta, name = call.attn_metadata, call.layer_name
+        entry = self._stash.get(name)
+        if meta is None or entry is None or name not in self.k2_caches:
+            return call
         k2 = entry[1]
         n = int(getattr(meta, "num_actual_tokens", k2.shape[0]))
         slots = meta.slot_mapping[:n]
-        attention.write_kv(self.k2_caches[layer_name], k2[:n].view(n, -1, k2.shape[-1]), slots)
-        return query, key, value, output
+        attention.write_kv(self.k2_caches[name], k2[:n].view(n, -1, k2.shape[-1]), slots)
+        return call
 
-    def sparse_attention(
-        self,
-        layer_name: str,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: Any,
-        output: torch.Tensor,
-    ) -> bool:
-        """ReRoPE attention into ``output`` (True), or False when RoPE is exact this step."""
-        entry = self._stash.pop(layer_name, None)
-        if attn_metadata is None or entry is None or not self._use_rerope(attn_metadata):
+    def sparse_attention(self, call: AttentionCall) -> bool:
+        """ReRoPE attention into ``call.output`` (True), or False when RoPE is exact this step."""
+        md, name = call.attn_metadata, call.layer_name
+        entry = self._stash.pop(name, None)
+        if md is None or entry is None or not self._use_rerope(md):
             self.calls["native"] += 1
             return False
+        assert call.kv_cache is not None and call.output is not None
         q_w = entry[0]
-        n = int(getattr(attn_metadata, "num_actual_tokens", query.shape[0]))
-        k_view, v_view = kv_views(kv_cache)
+        n = int(getattr(md, "num_actual_tokens", call.query.shape[0]))
+        k_view, v_view = kv_views(call.kv_cache)
         d = k_view.shape[-1]
-        q = query[:n].view(n, -1, d)
+        q = call.query[:n].view(n, -1, d)
         q_w = q_w[:n].view(n, -1, d)
-        out = output[:n].view(n, -1, d)
+        out = call.output[:n].view(n, -1, d)
         attention.paged_attention(
             q,
             k_view,
             v_view,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
             None,
-            self.scales.get(layer_name),
+            call.scale if call.scale is not None else self.scales.get(name),
             q_w=q_w,
-            k2_cache=self.k2_caches[layer_name],
+            k2_cache=self.k2_caches[name],
             window=self.window,
             out=out,
-            max_query_len=getattr(attn_metadata, "max_query_len", None),
+            max_query_len=getattr(md, "max_query_len", None),
             impl=self.impl,
         )
         self.calls["rerope"] += 1

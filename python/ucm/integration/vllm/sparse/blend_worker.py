@@ -54,7 +54,7 @@ from ucm.integration.vllm.sparse.blend import STATS, STEP_LOG, BlendReqMeta
 from ucm.integration.vllm.sparse.hooks import HookHandle, check_vllm_version, find_vllm_model
 from ucm.integration.vllm.worker import LoadObserver
 from ucm.shared.logging import get_logger
-from ucm.sparse.base import UcmSparseRole, layer_index
+from ucm.sparse.base import AttentionCall, LayerRows, UcmSparseRole, layer_index
 from ucm.sparse.blend.chunks import BlendPlan
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.method import Blend, build_step
@@ -279,7 +279,8 @@ class BlendWorker(LoadObserver):
             q = query.view(query.shape[0], attn.num_heads, attn.head_size)
             k = key.view(key.shape[0], attn.num_kv_heads, attn.head_size)
             v = value.view(value.shape[0], attn.num_kv_heads, attn.head_size_v)
-            q, k, v, _ = agent.attention_begin(q, k, v, layer_name)
+            call = agent.attention_begin(AttentionCall(layer_name, q, k, v))
+            q, k, v = call.query, call.key, call.value
             fc = get_forward_context()
             old = fc.slot_mapping[layer_name]
             kept = step.slots[step.active].to(device=old.device, dtype=old.dtype)
@@ -312,9 +313,17 @@ class BlendWorker(LoadObserver):
             if native and self.native_runs:
                 md = self._runs_metadata(attn_metadata, impl, layer, query.dtype)
                 return orig(layer, query, key, value, kv_cache, md, output, *a, **kw)
-            if agent.sparse_attention(
-                layer_name, query, kv_cache, attn_metadata, output, scale=float(impl.scale)
-            ):
+            call = AttentionCall(
+                layer_name,
+                query,
+                key,
+                value,
+                attn_metadata,
+                output,
+                kv_cache=kv_cache,
+                scale=float(impl.scale),
+            )
+            if agent.sparse_attention(call):
                 return output
             return orig(layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
 
@@ -390,7 +399,7 @@ class BlendWorker(LoadObserver):
         def forward(positions, hidden_states, residual, *args, **kwargs):
             if agent.step is not None and agent.step.shrunk:
                 positions, hidden_states, residual = agent.layer_begin(
-                    idx, positions, hidden_states, residual
+                    idx, LayerRows(positions, hidden_states, residual)
                 )
             return orig(positions, hidden_states, residual, *args, **kwargs)
 

@@ -36,7 +36,7 @@ configured through their public extension points:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -95,40 +95,57 @@ def create_bridge(
     if spec is None:
         return None
     check_vllm_version(version)
-    if is_scheduler:
-        return SparseSchedulerBridge(vllm_config, spec, side, ucm_config, version=version)
-    return SparseWorkerBridge(vllm_config, spec, side, version=version)
-
-
-def _create_agent(vllm_config: Any, spec: SparseMethodSpec, role: UcmSparseRole) -> UcmSparseBase:
-    return UcmSparseFactory.create_sparse_method(spec.name, vllm_config, role, spec.config)
+    half = SparseSchedulerBridge if is_scheduler else SparseWorkerBridge
+    return half(vllm_config, spec, side, ucm_config, version=version)
 
 
 def _overrides(agent: UcmSparseBase, hook: str) -> bool:
     return getattr(type(agent), hook) is not getattr(UcmSparseBase, hook)
 
 
-# ============================================================================ scheduler
+class _BridgeHalf:
+    """What both halves hold: the method created for the half's role, what it
+    needs, the connector's half (``side``) and the hooks installed."""
 
-
-class SparseSchedulerBridge:
-    """Scheduler half: request bookkeeping, step facts, allocation, planning."""
+    role: ClassVar[UcmSparseRole]
 
     def __init__(
         self,
         vllm_config: Any,
         spec: SparseMethodSpec,
-        side: UCMSchedulerSide,
+        side: Any,
         ucm_config: Any,
         *,
         version: str | None = None,
     ) -> None:
+        self.vllm_config = vllm_config
         self.spec = spec
-        self.agent = _create_agent(vllm_config, spec, UcmSparseRole.SCHEDULER)
-        self.needs = type(self.agent).needs
-        self.block_size = int(vllm_config.cache_config.block_size)
         self.side = side
         self.version = version
+        self.agent = UcmSparseFactory.create_sparse_method(
+            spec.name, vllm_config, self.role, spec.config
+        )
+        self.needs = type(self.agent).needs
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._handle: HookHandle | None = None
+        self._set_up(ucm_config)
+
+    def _set_up(self, ucm_config: Any) -> None:
+        """The half's own state (``ucm_config``: the resolved connector config)."""
+        raise NotImplementedError
+
+
+# ============================================================================ scheduler
+
+
+class SparseSchedulerBridge(_BridgeHalf):
+    """Scheduler half: request bookkeeping, step facts, allocation, planning."""
+
+    role = UcmSparseRole.SCHEDULER
+    side: UCMSchedulerSide
+
+    def _set_up(self, ucm_config: Any) -> None:
+        side, spec = self.side, self.spec
         self.offload: OffloadAllocator | None = None
         if self.needs.offload:
             # Offload needs the prompt's blocks in the store: only when the connector saves.
@@ -141,20 +158,19 @@ class SparseSchedulerBridge:
                     spec.name,
                 )
         side.kv_namespace = method_kv_namespace(ucm_config.connector.ucm_sparse_config)
-        extension = self._extension(vllm_config, ucm_config)
+        extension = self._extension(ucm_config)
         if extension is not None:
             side.extension = extension
         self._requests: dict[str, Any] = {}
         self._manager: Any = None
-        self._handle: HookHandle | None = None
         logger.info("UCM sparse %s (scheduler): offload %s", spec.name, self.offload is not None)
 
-    def _extension(self, vllm_config: Any, ucm_config: Any) -> SchedulerExtension | None:
+    def _extension(self, ucm_config: Any) -> SchedulerExtension | None:
         if self.needs.chunk_reuse:
             from ucm.integration.vllm.sparse.blend import BlendScheduler
 
             return BlendScheduler(
-                vllm_config,
+                self.vllm_config,
                 self.spec.config,
                 agent=self.agent,
                 hash_algo=ucm_config.connector.hash_algo,
@@ -234,30 +250,18 @@ class SparseSchedulerBridge:
 # ============================================================================ worker
 
 
-class SparseWorkerBridge:
+class SparseWorkerBridge(_BridgeHalf):
     """Worker half: installs the method's hooks and drives it (see the module doc)."""
 
-    def __init__(
-        self,
-        vllm_config: Any,
-        spec: SparseMethodSpec,
-        side: UCMWorkerSide,
-        *,
-        version: str | None = None,
-    ) -> None:
-        self.spec = spec
-        self.vllm_config = vllm_config
-        self.agent = _create_agent(vllm_config, spec, UcmSparseRole.WORKER)
-        self.needs = type(self.agent).needs
-        self.side = side
-        self.version = version
-        self.block_size = int(vllm_config.cache_config.block_size)
+    role = UcmSparseRole.WORKER
+    side: UCMWorkerSide
+
+    def _set_up(self, ucm_config: Any) -> None:
         self.selection: SelectionDriver | None = None
         if self.needs.offload or self.needs.key_codes:
-            self.selection = SelectionDriver(self.agent, side, self.block_size)
+            self.selection = SelectionDriver(self.agent, self.side, self.block_size)
         self.patch: Any = None
         """The model patch of a ``row_cutting`` or ``unrotated_keys`` method."""
-        self._handle: HookHandle | None = None
         self._step: SparseStepMeta | None = None
         state.set_ucm_sparse(self.agent)
 

@@ -89,7 +89,7 @@ import torch
 
 from ucm.integration.vllm.sparse import state
 from ucm.shared.logging import get_logger
-from ucm.sparse.base import INVALID_SLOT, UcmSparseBase
+from ucm.sparse.base import INVALID_SLOT, AttentionCall, UcmSparseBase
 
 _LOG = get_logger(__name__)
 
@@ -199,7 +199,8 @@ def wrap_attention_impl(
 
     Order: ``attention_begin`` (may replace q/k/v/output) -> the agent's
     :meth:`~UcmSparseBase.sparse_attention` (True: it filled ``output``, the
-    backend is skipped) or the backend -> ``attention_finished``. Without an
+    backend is skipped) or the backend -> ``attention_finished``, each given
+    the layer's :class:`~ucm.sparse.base.AttentionCall`. Without an
     agent, or without metadata (profile and dummy runs), it is the backend.
 
     ``driver``: the object whose ``attention_begin`` / ``sparse_attention`` /
@@ -214,18 +215,15 @@ def wrap_attention_impl(
             return impl_forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
             )
-        query, key, value, output = agent.attention_begin(
-            query, key, value, layer_name, attn_metadata, output
+        call = agent.attention_begin(
+            AttentionCall(layer_name, query, key, value, attn_metadata, output, kv_cache=kv_cache)
         )
-        if output is not None and agent.sparse_attention(
-            layer_name, query, kv_cache, attn_metadata, output
-        ):
-            result = output
+        if call.output is not None and agent.sparse_attention(call):
+            result = call.output
         else:
-            result = impl_forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
-            )
-        agent.attention_finished(query, key, value, result, layer_name, attn_metadata)
+            q, k, v, out = call.query, call.key, call.value, call.output
+            result = impl_forward(layer, q, k, v, kv_cache, attn_metadata, out, *args, **kwargs)
+        agent.attention_finished(call.replace(output=result))
         return result
 
     return forward

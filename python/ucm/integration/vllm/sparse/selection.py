@@ -36,7 +36,7 @@ import torch
 from ucm.integration.vllm.sparse.steps import SparseReqStep, SparseStepMeta
 from ucm.integration.vllm.transfer import PendingLoad, rank_keys
 from ucm.shared.logging import get_logger
-from ucm.sparse.base import UcmSparseBase, layer_index
+from ucm.sparse.base import AttentionCall, UcmSparseBase, layer_index
 from ucm.sparse.kernels import attention
 from ucm.sparse.kernels.triton_utils import cdiv
 from ucm.sparse.kernels.views import kv_views
@@ -49,15 +49,13 @@ logger = get_logger(__name__)
 
 @dataclass
 class _Row:
+    """One request's rows of a step's batch: queries ``q_start .. q_start + q_len``."""
+
     index: int
     q_start: int
-    q_end: int
+    q_len: int
     seq_len: int
     info: SparseReqStep | None
-
-    @property
-    def q_len(self) -> int:
-        return self.q_end - self.q_start
 
 
 @dataclass
@@ -136,36 +134,23 @@ class SelectionDriver:
         return step
 
     # -- the attention driver (see hooks.wrap_attention_impl) ------------------
-    def attention_begin(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_name: str,
-        attn_metadata: Any = None,
-        output: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if self.needs.key_codes and self._step is not None and attn_metadata is not None:
+    def attention_begin(self, call: AttentionCall) -> AttentionCall:
+        md, name = call.attn_metadata, call.layer_name
+        if self.needs.key_codes and self._step is not None and md is not None:
             # Every key gets its code, sparse step or not, so later steps can use it.
-            n = int(attn_metadata.num_actual_tokens)
-            d = self._head_dim(layer_name)
-            self._code_cached_prefixes(layer_name, attn_metadata)
+            n = int(md.num_actual_tokens)
+            d = self._head_dim(name)
+            self._code_cached_prefixes(name, md)
             self.agent.write_key_codes(
-                self._layer[layer_name], key[:n].view(n, -1, d), attn_metadata.slot_mapping[:n]
+                self._layer[name], call.key[:n].view(n, -1, d), md.slot_mapping[:n]
             )
-        return query, key, value, output
+        return call
 
-    def sparse_attention(
-        self,
-        layer_name: str,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: Any,
-        output: torch.Tensor,
-    ) -> bool:
-        if self._step is None or not hasattr(attn_metadata, "query_start_loc"):
+    def sparse_attention(self, call: AttentionCall) -> bool:
+        md = call.attn_metadata
+        if self._step is None or not hasattr(md, "query_start_loc"):
             return False
-        rows = self._rows_of(attn_metadata)
+        rows = self._rows_of(md)
         decode = [r for r in rows if r.q_len == 1]
         for r in rows:
             if r.q_len > 1 and r.info is not None and r.info.req_id in self._swap:
@@ -174,45 +159,30 @@ class SelectionDriver:
                     f"sparse {r.info.req_id}: {r.q_len} tokens in one decode step are not "
                     "supported with offloaded KV (disable speculative decoding)"
                 )
-        views = self._views(layer_name, decode, query, attn_metadata)
+        views = self._views(call.layer_name, decode, call.query, md)
         if not views:
             return False
         if len(decode) != len(rows) or any(r.q_start != r.index for r in rows):
-            self._overwrite[layer_name] = views  # mixed batch: vLLM's kernel first
+            self._overwrite[call.layer_name] = views  # mixed batch: vLLM's kernel first
             self.stats["mixed_batches"] += 1
             return False
-        self._attend(layer_name, rows, views, query, kv_cache, attn_metadata, output)
+        self._attend(call, rows, views)
         self.stats["kernel_skipped"] += 1
         return True
 
-    def attention_finished(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_output: torch.Tensor,
-        layer_name: str,
-        attn_metadata: Any = None,
-    ) -> None:
-        if self._step is None or not hasattr(attn_metadata, "query_start_loc"):
+    def attention_finished(self, call: AttentionCall) -> None:
+        md, name = call.attn_metadata, call.layer_name
+        if self._step is None or not hasattr(md, "query_start_loc"):
             return
-        rows = self._rows_of(attn_metadata)
-        views = self._overwrite.pop(layer_name, None)
+        rows = self._rows_of(md)
+        views = self._overwrite.pop(name, None)
         if views:
             sparse_rows = [r for r in rows if r.index in views]
-            self._attend(
-                layer_name,
-                sparse_rows,
-                views,
-                query,
-                self._kv[layer_name],
-                attn_metadata,
-                attn_output,
-            )
+            self._attend(call.replace(kv_cache=self._kv[name]), sparse_rows, views)
         if self.needs.offload:
             for r in rows:
                 if r.info is not None and r.info.finishes_prefill:
-                    self._prefill_finished(layer_name, r, query, attn_metadata)
+                    self._prefill_finished(name, r, call.query, md)
 
     # -- internals ---------------------------------------------------------------
     def _head_dim(self, layer_name: str) -> int:
@@ -234,7 +204,7 @@ class SelectionDriver:
             if b <= a:
                 continue
             blk = int(slots[b - 1]) // self.block_size
-            rows.append(_Row(i, a, b, int(seq[i]), self._by_block.get(blk)))
+            rows.append(_Row(i, a, b - a, int(seq[i]), self._by_block.get(blk)))
         self._rows_key, self._rows = md, rows
         return rows
 
@@ -275,7 +245,7 @@ class SelectionDriver:
         n = cdiv(info.prompt_len, self.block_size)
         ids = md.block_table[r.index, :n].to(torch.int64).cpu()
         layer = self._layer[layer_name]
-        q = query[r.q_start : r.q_end].reshape(r.q_len, -1, k_view.shape[-1])
+        q = query[r.q_start : r.q_start + r.q_len].reshape(r.q_len, -1, k_view.shape[-1])
         self.agent.on_prefill_finished(info.req_id, layer, k_view, ids, info.prompt_len, q)
 
     def _views(
@@ -419,17 +389,12 @@ class SelectionDriver:
             self._finish_load(load)
 
     def _attend(
-        self,
-        layer_name: str,
-        rows: list[_Row],
-        views: dict[int, tuple[list[int], int]],
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: Any,
-        output: torch.Tensor,
+        self, call: AttentionCall, rows: list[_Row], views: dict[int, tuple[list[int], int]]
     ) -> None:
-        """Decode attention of ``rows`` (one query each) into ``output``."""
-        k_view, v_view = kv_views(kv_cache)
+        """Decode attention of ``rows`` (one query each) into ``call.output``."""
+        assert call.kv_cache is not None and call.output is not None
+        md, query, output = call.attn_metadata, call.query, call.output
+        k_view, v_view = kv_views(call.kv_cache)
         d = k_view.shape[-1]
         tables, lens = [], []
         for r in rows:
@@ -453,7 +418,7 @@ class SelectionDriver:
             v_view,
             table.to(dev),
             torch.tensor(lens, dtype=torch.int32, device=dev),
-            self._scales[layer_name],
+            self._scales[call.layer_name],
         )
         out_v = output.view(output.shape[0], -1, d)
         out_v[pos] = out.to(output.dtype)
