@@ -26,6 +26,7 @@ rank explicitly (``VLLM_CPU_OMP_THREADS_BIND``).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -279,7 +280,12 @@ def test_each_rank_holds_its_own_heads(world: dict[str, Any]) -> None:
 # -- MLA: replicated latent KV, saved once ---------------------------------------
 
 MLA_BS = 16  # vLLM's CPU MLA backend forces 16-token blocks
-MLA_LAYERS, KV_LORA, ROPE = 2, 512, 64  # the CPU MLA kernels need a 512 + 64 latent
+# A random-weight DeepSeek-V2 small enough for the CPU: the CPU MLA kernels
+# need a 512 + 64 latent (kv_lora_rank + qk_rope_head_dim). Experts are
+# required fields, but first_k_dense_replace = layers makes every MLP dense.
+TINY_MLA = json.loads((Path(__file__).parent / "tiny_mla_config.json").read_text())
+MLA_LAYERS = TINY_MLA["num_hidden_layers"]
+KV_LORA, ROPE = TINY_MLA["kv_lora_rank"], TINY_MLA["qk_rope_head_dim"]
 
 
 def make_tiny_mla(out: Path, tokenizer_from: Path) -> Path:
@@ -293,32 +299,7 @@ def make_tiny_mla(out: Path, tokenizer_from: Path) -> Path:
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
-    cfg = DeepseekV2Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=MLA_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=KV_LORA,
-        q_lora_rank=None,
-        qk_rope_head_dim=ROPE,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        # Experts are required fields, but first_k_dense_replace = layers
-        # makes every MLP dense.
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        first_k_dense_replace=MLA_LAYERS,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    cfg = DeepseekV2Config(**TINY_MLA)
     torch.manual_seed(0)
     model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
