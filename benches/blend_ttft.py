@@ -60,7 +60,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -390,6 +392,33 @@ def run_vllm(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+# The result table: (title, alignment, width, the cell of a row); the vLLM
+# backend adds its wall-clock and CPU-time columns after the speedup.
+Column = tuple[str, str, int, Callable[[dict[str, Any]], str]]
+COLUMNS: list[Column] = [
+    ("chunks", ">", 6, lambda r: str(r["chunks"])),
+    ("tokens", ">", 6, lambda r: str(r["tokens"])),
+    ("variant", "<", 19, lambda r: str(r["variant"])),
+    ("TTFT ms", ">", 9, lambda r: f"{1e3 * r['ttft_s']:.1f}"),
+    ("speedup", ">", 7, lambda r: f"{r['speedup']:.2f}"),
+    (
+        "rows@chk",
+        ">",
+        8,
+        lambda r: "-" if r["rows_after_check"] is None else str(r["rows_after_check"]),
+    ),
+    ("work", ">", 5, lambda r: f"{r['work']:.2f}"),
+    ("KL", ">", 9, lambda r: f"{r['kl']:.2e}"),
+    ("top1", ">", 5, lambda r: str(r["top1"])),
+    ("cont", ">", 5, lambda r: f"{r['cont_match']:.2f}"),
+]
+VLLM_COLUMNS: list[Column] = [
+    ("min ms", ">", 8, lambda r: f"{1e3 * min(r['ttft_runs_s']):.1f}"),
+    ("CPU ms", ">", 8, lambda r: f"{1e3 * r['cpu_s']:.1f}"),
+    ("CPU x", ">", 6, lambda r: f"{r['cpu_speedup']:.2f}"),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["ref", "vllm"], default="ref")
@@ -426,37 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         args.heads, args.pool, args.repeat, args.decode = 4, 6, 1, 8
     if args.ratios is None:
         args.ratios = [1.0, 0.15] if args.backend == "vllm" else [1.0, 0.5, 0.15, 0.05]
-    if args.backend == "vllm":
-        rows = run_vllm(args)
-        print(
-            f"{'chunks':>6} {'tokens':>6} {'variant':<19} {'TTFT ms':>9} {'speedup':>7} "
-            f"{'min ms':>8} {'CPU ms':>8} {'CPU x':>6} {'rows@chk':>8} {'work':>5} {'KL':>9} "
-            f"{'top1':>5} {'cont':>5}"
-        )
-        for r in rows:
-            print(
-                f"{r['chunks']:>6} {r['tokens']:>6} {r['variant']:<19} {1e3 * r['ttft_s']:>9.1f} "
-                f"{r['speedup']:>7.2f} {1e3 * min(r['ttft_runs_s']):>8.1f} "
-                f"{1e3 * r['cpu_s']:>8.1f} {r['cpu_speedup']:>6.2f} "
-                f"{r['rows_after_check']:>8} {r['work']:>5.2f} {r['kl']:>9.2e} "
-                f"{r['top1']!s:>5} {r['cont_match']:>5.2f}"
-            )
-        if args.json:
-            args.json.write_text(json.dumps(rows, indent=1))
-        return 0
-    rows = run(args)
-    hdr = (
-        f"{'chunks':>6} {'tokens':>6} {'variant':<18} {'TTFT ms':>9} {'speedup':>7} "
-        f"{'rows@chk':>8} {'work':>5} {'KL':>9} {'top1':>5} {'cont':>5}"
-    )
-    print(hdr)
+    vllm = args.backend == "vllm"
+    rows = run_vllm(args) if vllm else run(args)
+    columns = COLUMNS[:5] + VLLM_COLUMNS + COLUMNS[5:] if vllm else COLUMNS
+    print(" ".join(f"{title:{align}{width}}" for title, align, width, _ in columns))
     for r in rows:
-        rc = "-" if r["rows_after_check"] is None else str(r["rows_after_check"])
-        print(
-            f"{r['chunks']:>6} {r['tokens']:>6} {r['variant']:<18} {1e3 * r['ttft_s']:>9.1f} "
-            f"{r['speedup']:>7.2f} {rc:>8} {r['work']:>5.2f} {r['kl']:>9.2e} {r['top1']!s:>5} "
-            f"{r['cont_match']:>5.2f}"
-        )
+        print(" ".join(f"{cell(r):{align}{width}}" for _, align, width, cell in columns))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
