@@ -62,7 +62,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -72,6 +72,7 @@ from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend import Blend, BlendConfig
 from ucm.sparse.kernels import keys
 from ucm.testing import refmodel as rm
+from ucm.testing.tiny_model import TinyModelSpec
 
 END = 3  # chunk-end token (the tiny vocab's <pad>)
 
@@ -97,16 +98,28 @@ def work(res: rm.PrefillResult, layers: int, check: int, tokens: int) -> float:
     return (check * res.computed_rows + (layers - check) * kept) / (layers * tokens)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    torch.manual_seed(args.seed)
-    spec = rm.TinyLlamaSpec(
-        vocab=args.vocab,
-        hidden=args.hidden,
+S = TypeVar("S", bound=TinyModelSpec)
+
+
+def model_spec(args: argparse.Namespace, spec_cls: type[S], **extra: Any) -> S:
+    """The model the options describe, for either backend's model class."""
+    return spec_cls(
         layers=args.layers,
+        hidden=args.hidden,
         heads=args.heads,
         kv_heads=args.kv_heads,
         intermediate=2 * args.hidden,
+        vocab=args.vocab,
         seed=args.seed,
+        **extra,
+    )
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    torch.manual_seed(args.seed)
+    spec = model_spec(
+        args,
+        rm.TinyLlamaSpec,
         max_positions=max(8192, (max(args.chunks) + 1) * args.chunk_tokens + 512),
     )
     model = rm.TinyLlama(spec)
@@ -232,19 +245,11 @@ def run_vllm(args: argparse.Namespace) -> list[dict]:
     """The ``vllm`` backend (see the module doc)."""
     import tempfile
 
-    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.testing.tiny_model import make_tiny_llama
     from ucm.testing.vllm_child import run_child
 
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ucm-blend-bench-"))
-    spec = TinyModelSpec(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=2 * args.hidden,
-        vocab=args.vocab,
-        seed=args.seed,
-    )
+    spec = model_spec(args, TinyModelSpec)
     model = str(make_tiny_llama(work_dir / "model", spec))
     pool = make_chunks(args.pool, args.chunk_tokens, args.vocab, args.seed + 1)
     rng = random.Random(args.seed + 2)
