@@ -1,18 +1,21 @@
 //! Store configuration, declared once.
 //!
-//! Every config key of every built-in store stage is declared here, in Rust,
-//! with its type, range, default and documentation ([`Key`]); each stage
-//! lists its keys ([`Stage`]) next to the struct it builds. Everything else
-//! derives from these declarations: the parsing and validation of loosely
-//! typed values (YAML, JSON, environment strings) into typed [`Values`],
-//! the Python view of the schema (`ucm._native.config_schema()`), the
-//! up-front checks of the vLLM connector and `ucm config check`, and the
-//! README's key tables (a test fails when they drift).
+//! Every config key of every built-in store stage is declared in
+//! `keys.toml`, with its type, range, default and documentation, and so is
+//! which keys each stage takes; the build turns it into the [`Key`] tables
+//! of [`keys`] and the [`Stage`]s, and each stage builds its struct next to
+//! its own code. Everything else derives from these declarations: the
+//! parsing and validation of loosely typed values (YAML, JSON, environment
+//! strings) into typed [`Values`], the Python view of the schema
+//! (`ucm._native.config_schema()`), the up-front checks of the vLLM
+//! connector and `ucm config check`, and the README's key tables (a test
+//! fails when they drift).
 //!
 //! Errors are [`ConfigError`]s naming the key and saying what is wrong with
 //! the value; the caller adds where the value came from.
 
 mod geometry;
+pub mod keys;
 mod schema;
 mod value;
 
@@ -21,7 +24,7 @@ pub use schema::{stage, stages, Dflt, Key, Kind, Stage, MAX_TIMEOUT_MS};
 
 /// The key groups several stages share.
 pub mod schema_groups {
-    pub use super::schema::{COMMON, GEOMETRY};
+    pub use super::keys::{COMMON, GEOMETRY};
 }
 pub use value::{parse_stage, suggestion, Raw, Val, Values};
 

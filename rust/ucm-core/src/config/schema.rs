@@ -1,4 +1,7 @@
-//! The declarations: what a key is, and which keys each stage takes.
+//! The declarations: what a key is, and which keys each stage takes (the
+//! keys and stages themselves are in `keys.toml`, see [`super::keys`]).
+
+use super::keys::STAGES;
 
 /// The type and range of a key's value.
 #[derive(Clone, Copy, Debug)]
@@ -107,106 +110,8 @@ impl Stage {
     }
 }
 
-/// Largest block or shard: 1 TiB.
-const MAX_BLOCK: i64 = 1 << 40;
-/// Longest timeout: a day.
+/// Longest timeout: a day (the largest `timeout_ms` and lookup cache TTL).
 pub const MAX_TIMEOUT_MS: i64 = 86_400_000;
-
-/// The block geometry, shared by every stage that stores blocks.
-pub const GEOMETRY: &[Key] = &[
-    Key::new(
-        "block_size",
-        Kind::Int {
-            min: 1,
-            max: MAX_BLOCK,
-        },
-        Dflt::Required,
-        "Bytes of one whole block, all shards together.",
-    ),
-    Key::new(
-        "shard_size",
-        Kind::Int {
-            min: 1,
-            max: MAX_BLOCK,
-        },
-        Dflt::Unset,
-        "Bytes of one shard (e.g. one layer); divides block_size. Default: block_size.",
-    ),
-    Key::new(
-        "tensor_size",
-        Kind::Int {
-            min: 1,
-            max: MAX_BLOCK,
-        },
-        Dflt::Unset,
-        "Bytes of each tensor of a shard, when they are all equal.",
-    ),
-    Key::new(
-        "tensor_size_list",
-        Kind::Sizes,
-        Dflt::Unset,
-        "Bytes of each tensor of a shard, in order; sums to shard_size. Default: one tensor.",
-    ),
-];
-
-/// The role and task timeout, shared by every stage.
-pub const COMMON: &[Key] = &[
-    Key::new(
-        "device_id",
-        Kind::Int { min: -1, max: 1023 },
-        Dflt::Is("0"),
-        "-1: lookup-only store (the scheduler role), load and dump refused; >= 0: transfers \
-         on (and the CUDA device of a Cache).",
-    ),
-    Key::new(
-        "timeout_ms",
-        Kind::Int {
-            min: 0,
-            max: MAX_TIMEOUT_MS,
-        },
-        Dflt::Is("30000"),
-        "Task timeout in ms, counted from submit; 0 disables it.",
-    ),
-];
-
-static STAGES: &[Stage] = &[
-    Stage {
-        name: "Posix",
-        aliases: &[],
-        doc: "One file per block on local or mounted file systems.",
-        groups: &[GEOMETRY, crate::store::posix::KEYS, COMMON],
-    },
-    Stage {
-        name: "Cache",
-        aliases: &[],
-        doc: "A host-memory tier over the stage below it.",
-        groups: &[GEOMETRY, crate::store::cache::KEYS, COMMON],
-    },
-    Stage {
-        name: "S3",
-        aliases: &["Ds3fs", "DS3FS"],
-        doc: "One object per block in an S3-compatible bucket.",
-        groups: &[GEOMETRY, crate::store::s3::KEYS, COMMON],
-    },
-    Stage {
-        name: "NFS",
-        aliases: &[],
-        doc: "One file per block on an NFS export (built-in NFSv3 client, or a kernel mount).",
-        groups: &[GEOMETRY, crate::store::nfs::KEYS, COMMON],
-    },
-    Stage {
-        name: "Mooncake",
-        aliases: &["MooncakeStore"],
-        doc: "One object per block in a Mooncake Store pool (cluster-wide DRAM).",
-        groups: &[GEOMETRY, crate::store::mooncake::KEYS, COMMON],
-    },
-    Stage {
-        name: "Empty",
-        aliases: &[],
-        doc: "Keeps nothing: every lookup misses (for tests and baselines).",
-        groups: &[COMMON],
-    },
-];
 
 /// Every built-in stage.
 pub fn stages() -> &'static [Stage] {
@@ -246,5 +151,21 @@ mod tests {
             }
         }
         assert_eq!(stage("Ds3fs").map(|s| s.name), Some("S3"));
+    }
+
+    #[test]
+    fn timeouts_are_capped_at_max_timeout_ms() {
+        // keys.toml writes the cap as a number; the code names it.
+        for s in stages() {
+            for k in s.keys().filter(|k| k.name.ends_with("_ms")) {
+                assert!(
+                    matches!(k.kind, Kind::Int { min: 0, max } if max == MAX_TIMEOUT_MS),
+                    "{}.{}: {:?}",
+                    s.name,
+                    k.name,
+                    k.kind
+                );
+            }
+        }
     }
 }

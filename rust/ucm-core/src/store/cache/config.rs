@@ -5,124 +5,12 @@ use std::str::FromStr;
 
 use super::policy::PolicyKind;
 use super::transport::DeviceMemory;
-use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values};
+use crate::config::{ConfigError, Geometry, Values};
 use crate::error::{Result, UcmError};
 
-const THREADS: Kind = Kind::Int { min: 1, max: 256 };
-const SECONDS: Kind = Kind::Float {
-    min: 0.0,
-    max: 3600.0,
-};
-
 /// The Cache stage's own keys (besides the geometry, `device_id` and
-/// `timeout_ms`).
-pub const KEYS: &[Key] = &[
-    Key::new(
-        "cache_buffer_capacity_gb",
-        Kind::Float {
-            min: 1e-6,
-            max: 1_048_576.0,
-        },
-        Dflt::Is("4"),
-        "Slot memory in GiB, committed as it is first used; at most the machine's memory \
-         (or /dev/shm's size when shared).",
-    ),
-    Key::new(
-        "buffer_number",
-        Kind::Int {
-            min: 2,
-            max: MAX_SLOTS as i64,
-        },
-        Dflt::Unset,
-        "Number of slots (one shard each), instead of cache_buffer_capacity_gb.",
-    ),
-    Key::new(
-        "eviction_policy",
-        Kind::Choice(&["s3fifo", "lru", "sieve", "fifo"]),
-        Dflt::Is("s3fifo"),
-        "Which block leaves when the cache is full: s3fifo (chosen by measurement), lru, \
-         sieve or fifo.",
-    ),
-    Key::new(
-        "fill_policy",
-        Kind::Choice(&["reuse_allocate", "read_allocate", "write_allocate", "no_allocate"]),
-        Dflt::Is("reuse_allocate"),
-        "What stays cached: reuse_allocate (dumps, and load misses, except that a block a \
-         local backend reads straight into host memory stays only when loaded a second \
-         time), read_allocate (dumps and every load miss), write_allocate (dumps only) or \
-         no_allocate (nothing once the backend has it).",
-    ),
-    Key::new(
-        "write_back_policy",
-        Kind::Choice(&["sync", "async", "lazy"]),
-        Dflt::Is("async"),
-        "When dumps reach the backend: sync (before wait() returns), async (queued and \
-         batched) or lazy (when evicted, or on flush/close).",
-    ),
-    Key::new(
-        "write_back_batch_size",
-        Kind::Int { min: 1, max: 4096 },
-        Dflt::Is("32"),
-        "Blocks per backend write; this many waiting blocks start one (async).",
-    ),
-    Key::new(
-        "write_back_interval",
-        SECONDS,
-        Dflt::Is("1.0"),
-        "Seconds a dirty block waits at most for its batch (async).",
-    ),
-    Key::new(
-        "write_back_max_backoff",
-        Kind::Float {
-            min: 0.001,
-            max: 3600.0,
-        },
-        Dflt::Is("10.0"),
-        "Seconds: cap of the retry delay after failed backend writes.",
-    ),
-    Key::new(
-        "cache_stream_number",
-        Kind::Int { min: 1, max: 32 },
-        Dflt::Is("4"),
-        "CUDA copy streams for device memory.",
-    ),
-    Key::new(
-        "cache_copy_threads",
-        THREADS,
-        Dflt::Is("4"),
-        "Threads copying between slots and caller memory.",
-    ),
-    Key::new(
-        "cache_backend_threads",
-        THREADS,
-        Dflt::Is("8"),
-        "Threads waiting on backend transfers (fills, bypasses, sync writes).",
-    ),
-    Key::new(
-        "share_buffer_enable",
-        Kind::Bool,
-        Dflt::Is("false"),
-        "Put the cache in /dev/shm, shared by every process with the same unique_id.",
-    ),
-    Key::new(
-        "cache_prefault",
-        Kind::Bool,
-        Dflt::Is("true"),
-        "Commit the first GiB of the cache's memory in the background from start-up, never while a load or dump runs, so early dumps pay no first-touch page faults (false: committed as used).",
-    ),
-    Key::new(
-        "unique_id",
-        Kind::Text,
-        Dflt::Is(""),
-        "Names the shared segment (required with share_buffer_enable).",
-    ),
-    Key::new(
-        "device_memory",
-        Kind::Choice(&["auto", "true", "false"]),
-        Dflt::Is("auto"),
-        "Whether transfer addresses are device memory; auto asks CUDA per transfer.",
-    ),
-];
+/// `timeout_ms`), declared in `config/keys.toml`.
+pub use crate::config::keys::CACHE as KEYS;
 
 /// Which operations leave blocks in the cache (see the crate docs of
 /// [`super`]): dumps always pass through the cache; this decides what
@@ -465,6 +353,16 @@ mod tests {
         );
         let e = "later".parse::<WriteBackPolicy>().unwrap_err().to_string();
         assert!(e.contains("write_back_policy") && e.contains("lazy"), "{e}");
+    }
+
+    #[test]
+    fn buffer_number_is_capped_at_max_slots() {
+        // keys.toml writes the cap as a number; the code names it.
+        let key = KEYS.iter().find(|k| k.name == "buffer_number");
+        assert!(
+            matches!(key.map(|k| k.kind), Some(crate::config::Kind::Int { max, .. }) if max == MAX_SLOTS as i64),
+            "{key:?}"
+        );
     }
 
     #[test]

@@ -5,124 +5,17 @@
 //! `mooncake_metadata_server`, `mooncake_local_hostname`,
 //! `mooncake_protocol`, `mooncake_device_name`, the segment and buffer
 //! sizes) are read by the Python side, which owns that client; they are
-//! declared and checked here so that every stage's keys live in one schema.
+//! declared (in `config/keys.toml`) and checked with every other stage's
+//! keys, in one schema.
 
-use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values, MAX_TIMEOUT_MS};
+use crate::config::{ConfigError, Geometry, Values};
 use crate::error::Result;
 use crate::store::format::layout::validate_geometry;
 use crate::store::remote::expand_env;
 
-const TTL: Kind = Kind::Int {
-    min: 0,
-    max: MAX_TIMEOUT_MS,
-};
-const GB: Kind = Kind::Float {
-    min: 0.0,
-    max: 4096.0,
-};
-
 /// The Mooncake stage's own keys (besides the geometry, `device_id` and
-/// `timeout_ms`). Text keys may name environment variables as `${VAR}`.
-pub const KEYS: &[Key] = &[
-    Key::new(
-        "mooncake_master",
-        Kind::Text,
-        Dflt::Required,
-        "host:port of mooncake_master's RPC service (e.g. \"10.0.0.5:50051\").",
-    ),
-    Key::new(
-        "mooncake_metadata_server",
-        Kind::Text,
-        Dflt::Is("P2PHANDSHAKE"),
-        "Where transfer endpoints are published: \"P2PHANDSHAKE\" (no metadata server), \
-         \"http://host:8080/metadata\" (the master's --enable_http_metadata_server) or \
-         \"etcd://host:2379\".",
-    ),
-    Key::new(
-        "mooncake_local_hostname",
-        Kind::Text,
-        Dflt::Is(""),
-        "Address other clients reach this one at; empty: the address this host uses to reach \
-         the master.",
-    ),
-    Key::new(
-        "mooncake_protocol",
-        Kind::Choice(&["tcp", "rdma"]),
-        Dflt::Is("tcp"),
-        "Transport of the transfer engine (rdma needs the RDMA build of the client).",
-    ),
-    Key::new(
-        "mooncake_device_name",
-        Kind::Text,
-        Dflt::Is(""),
-        "RDMA devices to use (\"mlx5_0,mlx5_1\"); empty with tcp.",
-    ),
-    Key::new(
-        "mooncake_global_segment_gb",
-        GB,
-        Dflt::Is("1"),
-        "Memory (GiB) this engine lends to the cluster-wide pool; 0 when dedicated store \
-         services (mooncake_client) hold the pool.",
-    ),
-    Key::new(
-        "mooncake_local_buffer_gb",
-        GB,
-        Dflt::Is("0.0625"),
-        "Memory (GiB) of the client's own transfer buffer (blocks travel through the stage's \
-         registered staging memory instead, so this can stay small).",
-    ),
-    Key::new(
-        "mooncake_replica_num",
-        Kind::Int { min: 1, max: 16 },
-        Dflt::Is("1"),
-        "Copies of each block the pool keeps (on distinct segments).",
-    ),
-    Key::new(
-        "mooncake_soft_pin",
-        Kind::Bool,
-        Dflt::Is("false"),
-        "Asks the master to evict these blocks last. How long a read keeps an object from \
-         eviction (its lease) is the master's --default_kv_lease_ttl.",
-    ),
-    Key::new(
-        "mooncake_key_prefix",
-        Kind::Text,
-        Dflt::Is("ucm"),
-        "Prefix of the pool's keys (\"<prefix>/<block id hex>\"), so deployments can share \
-         one pool without seeing each other's blocks.",
-    ),
-    Key::new(
-        "mooncake_max_concurrency",
-        Kind::Int { min: 1, max: 256 },
-        Dflt::Is("1"),
-        "Transfer calls in flight at most (threads calling into the client; lookups have one \
-         of their own). Transfers that wait meanwhile go together in the next batch call, \
-         which Mooncake runs in parallel, so one is usually best.",
-    ),
-    Key::new(
-        "mooncake_lookup_cache_ttl_ms",
-        TTL,
-        Dflt::Is("2000"),
-        "How long a \"present\" lookup result is reused; 0 disables. The pool evicts, so \
-         keep it short: a load of an evicted block fails and the engine recomputes.",
-    ),
-    Key::new(
-        "mooncake_negative_cache_ttl_ms",
-        TTL,
-        Dflt::Is("500"),
-        "How long an \"absent\" lookup result is reused; 0 disables.",
-    ),
-    Key::new(
-        "mooncake_staging_buffer_gb",
-        Kind::Float {
-            min: 0.001,
-            max: 1024.0,
-        },
-        Dflt::Is("0.25"),
-        "Memory (GiB) for blocks whose shards are still arriving, and the registered memory \
-         (half as much again) blocks travel through.",
-    ),
-];
+/// `timeout_ms`), declared in `config/keys.toml`.
+pub use crate::config::keys::MOONCAKE as KEYS;
 
 /// Mooncake store settings the core uses. Field names follow the keys
 /// (`mooncake_*`).

@@ -4,57 +4,13 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values, MAX_TIMEOUT_MS};
+use crate::config::{ConfigError, Geometry, Values};
 use crate::error::{Result, UcmError};
 use crate::store::format::layout::validate_geometry;
 
 /// The NFS stage's own keys (besides the geometry, `device_id` and
-/// `timeout_ms`).
-pub const KEYS: &[Key] = &[
-    Key::new(
-        "storage_backends",
-        Kind::Location,
-        Dflt::Required,
-        "nfs://server[:port]/export/path[?options] for the built-in NFSv3 client (no kernel \
-         mount, no root), or a directory on a kernel-mounted export.",
-    ),
-    Key::new(
-        "nfs_mount_options",
-        Kind::Text,
-        Dflt::Is(""),
-        "mount -o style options the built-in client honours: vers=3, port=, mountport=, \
-         timeo= (tenths of a second), retrans=, rsize=, wsize=, sync, ro, resvport, uid=, \
-         gid=, lookupcache=none; others (rw, hard, nolock...) are ignored with a log line.",
-    ),
-    Key::new(
-        "nfs_max_concurrency",
-        Kind::Int { min: 1, max: 256 },
-        Dflt::Is("8"),
-        "Requests in flight at most (= connections of the built-in client).",
-    ),
-    Key::new(
-        "nfs_lookup_cache_ttl_ms",
-        Kind::Int {
-            min: 0,
-            max: MAX_TIMEOUT_MS,
-        },
-        Dflt::Is("30000"),
-        "How long a \"present\" lookup result is reused; 0 disables. \"Absent\" results \
-         never are.",
-    ),
-    Key::new(
-        "nfs_io_threads",
-        Kind::Int { min: 1, max: 64 },
-        Dflt::Is("2"),
-        "Threads of the store's I/O runtime.",
-    ),
-    Key::new(
-        "io_direct",
-        Kind::Bool,
-        Dflt::Is("false"),
-        "O_DIRECT on a kernel-mounted export (off unless asked).",
-    ),
-];
+/// `timeout_ms`), declared in `config/keys.toml`.
+pub use crate::config::keys::NFS as KEYS;
 use crate::store::remote::expand_env;
 
 /// NFS store settings. Field names follow the config keys.

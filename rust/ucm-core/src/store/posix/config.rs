@@ -2,71 +2,15 @@
 
 use std::path::PathBuf;
 
-use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values};
+use crate::config::{ConfigError, Geometry, Values};
 use crate::error::{Result, UcmError};
 use crate::io::IoEngineKind;
 use crate::store::format::layout::validate_geometry;
 use crate::store::safe_fs::require_dir;
 
 /// The Posix stage's own keys (besides the geometry, `device_id` and
-/// `timeout_ms`).
-pub const KEYS: &[Key] = &[
-    Key::new(
-        "storage_backends",
-        Kind::Locations,
-        Dflt::Required,
-        "Directories holding the blocks: a list, or one string of ':'-separated paths. Blocks \
-         spread across them by id.",
-    ),
-    Key::new(
-        "io_direct",
-        Kind::Bool,
-        Dflt::Is("false"),
-        "Open block files with O_DIRECT (bypass the page cache).",
-    ),
-    Key::new(
-        "io_engine",
-        Kind::Choice(&["auto", "uring", "psync"]),
-        Dflt::Is("auto"),
-        "I/O engine: auto (io_uring for O_DIRECT files, else psync), uring or psync.",
-    ),
-    Key::new(
-        "io_threads",
-        Kind::Int { min: 1, max: 256 },
-        Dflt::Is("4"),
-        "Worker threads (and psync I/O threads).",
-    ),
-    Key::new(
-        "posix_capacity_gb",
-        Kind::Float {
-            min: 0.0,
-            max: 1_048_576.0,
-        },
-        Dflt::Is("0"),
-        "Capacity in GiB above which the least recently used blocks are evicted; 0: unbounded.",
-    ),
-    Key::new(
-        "posix_spare_files",
-        Kind::Int { min: 0, max: 4096 },
-        Dflt::Is("64"),
-        "Empty files kept created ahead of dumps, per directory (hides slow file creation); \
-         0 disables.",
-    ),
-    Key::new(
-        "durability",
-        Kind::Choice(&["none", "data", "full"]),
-        Dflt::Is("none"),
-        "What a successful dump guarantees: none (published, survives a killed process), \
-         data (data synced before the rename) or full (and the directory: survives a power cut).",
-    ),
-    Key::new(
-        "posix_strict",
-        Kind::Bool,
-        Dflt::Is("false"),
-        "Refuse storage directories other users can write to, and block files other users own, \
-         instead of warning.",
-    ),
-];
+/// `timeout_ms`), declared in `config/keys.toml`.
+pub use crate::config::keys::POSIX as KEYS;
 
 /// What a successful `wait()` of a dump guarantees about the disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

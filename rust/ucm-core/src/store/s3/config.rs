@@ -2,100 +2,13 @@
 
 use std::fmt;
 
-use crate::config::{ConfigError, Dflt, Geometry, Key, Kind, Values, MAX_TIMEOUT_MS};
+use crate::config::{ConfigError, Geometry, Values};
 use crate::error::{Result, UcmError};
 use crate::store::format::layout::validate_geometry;
 
-const TTL: Kind = Kind::Int {
-    min: 0,
-    max: MAX_TIMEOUT_MS,
-};
-
 /// The S3 stage's own keys (besides the geometry, `device_id` and
-/// `timeout_ms`). Text keys may name environment variables as `${VAR}`
-/// (or `${VAR:-default}`), expanded when the store opens.
-pub const KEYS: &[Key] = &[
-    Key::new(
-        "storage_backends",
-        Kind::Location,
-        Dflt::Required,
-        "s3://bucket/prefix: the bucket and the key prefix of the blocks.",
-    ),
-    Key::new(
-        "s3_endpoint",
-        Kind::Text,
-        Dflt::Is(""),
-        "Endpoint of an S3-compatible service (http://minio:9000); empty: AWS (or \
-         AWS_ENDPOINT_URL).",
-    ),
-    Key::new(
-        "s3_region",
-        Kind::Text,
-        Dflt::Is(""),
-        "Region; empty: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1.",
-    ),
-    Key::secret(
-        "s3_access_key",
-        "Access key id, e.g. \"${AWS_ACCESS_KEY}\"; empty: the standard AWS variables and \
-         credential sources.",
-    ),
-    Key::secret(
-        "s3_secret_key",
-        "Secret access key, e.g. \"${AWS_SECRET_KEY}\".",
-    ),
-    Key::secret(
-        "s3_session_token",
-        "Session token of temporary credentials (optional).",
-    ),
-    Key::new(
-        "s3_virtual_hosted_style",
-        Kind::Bool,
-        Dflt::Is("false"),
-        "Virtual-hosted-style requests (bucket.host); path style by default, which most \
-         S3-compatible servers expect.",
-    ),
-    Key::new(
-        "s3_max_concurrency",
-        Kind::Int { min: 1, max: 1024 },
-        Dflt::Is("32"),
-        "Requests in flight at most.",
-    ),
-    Key::new(
-        "s3_retries",
-        Kind::Int { min: 0, max: 100 },
-        Dflt::Is("3"),
-        "Retries of a failed request (5xx, connection errors, timeouts), with exponential \
-         backoff, within timeout_ms.",
-    ),
-    Key::new(
-        "s3_lookup_cache_ttl_ms",
-        TTL,
-        Dflt::Is("30000"),
-        "How long a \"present\" lookup result is reused; 0 disables.",
-    ),
-    Key::new(
-        "s3_negative_cache_ttl_ms",
-        TTL,
-        Dflt::Is("1000"),
-        "How long an \"absent\" lookup result is reused; 0 disables. Blocks other engines \
-         write become visible at most this late.",
-    ),
-    Key::new(
-        "s3_staging_buffer_gb",
-        Kind::Float {
-            min: 0.001,
-            max: 1024.0,
-        },
-        Dflt::Is("1"),
-        "Memory (GiB) for blocks whose shards are still arriving and for uploads in flight.",
-    ),
-    Key::new(
-        "s3_io_threads",
-        Kind::Int { min: 1, max: 64 },
-        Dflt::Is("2"),
-        "Threads of the store's I/O runtime.",
-    ),
-];
+/// `timeout_ms`), declared in `config/keys.toml`.
+pub use crate::config::keys::S3 as KEYS;
 
 use crate::store::remote::expand_env;
 
