@@ -375,23 +375,24 @@ mod tests {
         };
         ok.validate().unwrap();
         assert_eq!(ok.slots(), 256);
-        let small = CacheConfig {
-            capacity_bytes: 4096,
-            ..ok.clone()
-        };
-        assert!(small
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("cache_buffer_capacity_gb"));
-        let shared = CacheConfig {
-            share_buffer_enable: true,
-            ..ok
-        };
-        assert!(shared
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("unique_id"));
+        let cases = [
+            (
+                CacheConfig {
+                    capacity_bytes: 4096,
+                    ..ok.clone()
+                },
+                "cache_buffer_capacity_gb",
+            ),
+            (
+                CacheConfig {
+                    share_buffer_enable: true,
+                    ..ok
+                },
+                "unique_id",
+            ),
+        ];
+        for (bad, key) in cases {
+            assert!(bad.validate().unwrap_err().to_string().contains(key));
+        }
     }
 }

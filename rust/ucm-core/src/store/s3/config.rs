@@ -294,32 +294,31 @@ mod tests {
             ..Default::default()
         };
         assert!(ok.validate().is_ok());
-        let bad = S3Config {
-            access_key: "a".into(),
-            ..ok.clone()
-        };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("s3_secret_key"));
-        let bad = S3Config {
-            endpoint: "127.0.0.1:9000".into(),
-            ..ok.clone()
-        };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("s3_endpoint"));
-        let bad = S3Config {
-            tensor_size_list: vec![1],
-            ..ok
-        };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("tensor_size_list"));
+        let cases = [
+            (
+                S3Config {
+                    access_key: "a".into(),
+                    ..ok.clone()
+                },
+                "s3_secret_key",
+            ),
+            (
+                S3Config {
+                    endpoint: "127.0.0.1:9000".into(),
+                    ..ok.clone()
+                },
+                "s3_endpoint",
+            ),
+            (
+                S3Config {
+                    tensor_size_list: vec![1],
+                    ..ok
+                },
+                "tensor_size_list",
+            ),
+        ];
+        for (bad, key) in cases {
+            assert!(bad.validate().unwrap_err().to_string().contains(key));
+        }
     }
 }
