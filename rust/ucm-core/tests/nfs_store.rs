@@ -23,6 +23,7 @@ use common::remote::{
     corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, TestServer, SHARD,
     SHARDS,
 };
+use ucm_core::config::Geometry;
 use ucm_core::store::nfs::{NfsConfig, NfsStore};
 use ucm_core::store::Store;
 
@@ -238,9 +239,11 @@ impl Drop for Ganesha {
 fn config(target: &str) -> NfsConfig {
     NfsConfig {
         target: target.into(),
-        block_size: SHARD * SHARDS,
-        shard_size: SHARD,
-        tensor_size_list: vec![SHARD / 2, SHARD / 2],
+        geometry: Geometry {
+            block_size: SHARD * SHARDS,
+            shard_size: SHARD,
+            tensor_size_list: vec![SHARD / 2, SHARD / 2],
+        },
         timeout_ms: 10_000,
         ..Default::default()
     }

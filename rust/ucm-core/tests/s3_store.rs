@@ -18,6 +18,7 @@ use common::remote::{
     corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, Blocks, TestServer,
     ALL, SHARD, SHARDS,
 };
+use ucm_core::config::Geometry;
 use ucm_core::store::s3::{S3Config, S3Store};
 use ucm_core::store::Store;
 use ucm_core::{MemSeg, ShardIo};
@@ -174,9 +175,11 @@ impl Moto {
             endpoint: self.endpoint(),
             access_key: "testing".into(),
             secret_key: "testing".into(),
-            block_size: SHARD * SHARDS,
-            shard_size: SHARD,
-            tensor_size_list: vec![SHARD / 2, SHARD / 2],
+            geometry: Geometry {
+                block_size: SHARD * SHARDS,
+                shard_size: SHARD,
+                tensor_size_list: vec![SHARD / 2, SHARD / 2],
+            },
             timeout_ms: 10_000,
             retries: 2,
             negative_cache_ttl_ms: 0,
@@ -284,7 +287,7 @@ fn corrupt_and_foreign_objects_are_detected() {
     let t = store.dump(src.shards(&ids, &ALL), 0).unwrap();
     store.wait(t).unwrap();
     let mut other_cfg = moto.config(&bucket);
-    other_cfg.tensor_size_list = vec![SHARD];
+    other_cfg.geometry.tensor_size_list = vec![SHARD];
     let other = S3Store::open(other_cfg).expect("open");
     let mut one = Blocks::zeroed(1);
     let shard = ShardIo {

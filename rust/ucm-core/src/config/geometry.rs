@@ -1,10 +1,11 @@
 //! The block geometry shared by every stage that stores blocks.
 
 use super::{ConfigError, Values};
-use crate::store::format::layout::MAX_SHARDS;
+use crate::error::Result as UcmResult;
+use crate::store::format::layout::{validate_geometry, Layout, MAX_SHARDS};
 
 /// A stage's block geometry, with its defaults resolved.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Geometry {
     /// Bytes of one whole block.
     pub block_size: usize,
@@ -62,6 +63,18 @@ impl Geometry {
             shard_size: shard,
             tensor_size_list: sizes,
         })
+    }
+
+    /// Checks that the sizes fit together, as every store using the block
+    /// file format needs (a geometry resolved from a config always does;
+    /// one set by hand may not). Errors name the key and the values.
+    pub fn validate(&self) -> UcmResult<()> {
+        validate_geometry(self.block_size, self.shard_size, &self.tensor_size_list)
+    }
+
+    /// The block file layout of this geometry.
+    pub fn layout(&self) -> Layout {
+        Layout::new(self.block_size, self.shard_size, &self.tensor_size_list)
     }
 
     /// The resolved geometry written back into `v` (what a caller reads

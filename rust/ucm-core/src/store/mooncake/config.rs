@@ -10,7 +10,6 @@
 
 use crate::config::{ConfigError, Geometry, Values};
 use crate::error::Result;
-use crate::store::format::layout::validate_geometry;
 use crate::store::remote::expand_env;
 
 /// The Mooncake stage's own keys (besides the geometry, `device_id` and
@@ -35,12 +34,8 @@ pub struct MooncakeConfig {
     pub negative_cache_ttl_ms: u64,
     /// Bytes for blocks whose shards are still arriving.
     pub staging_bytes: u64,
-    /// Bytes of one whole block (all shards).
-    pub block_size: usize,
-    /// Bytes of one shard; divides `block_size`.
-    pub shard_size: usize,
-    /// Sizes of the tensors of one shard; sum to `shard_size`.
-    pub tensor_size_list: Vec<usize>,
+    /// Block, shard and tensor sizes.
+    pub geometry: Geometry,
     /// -1: lookup-only role (load and dump refused); >= 0: transfers on.
     pub device_id: i64,
 }
@@ -48,7 +43,7 @@ pub struct MooncakeConfig {
 impl MooncakeConfig {
     /// Builds the config from a checked Mooncake stage (see [`crate::config`]).
     pub fn from_values(v: &Values) -> std::result::Result<Self, ConfigError> {
-        let g = Geometry::from_values(v)?;
+        let geometry = Geometry::from_values(v)?;
         let prefix = v.text("mooncake_key_prefix").trim_matches('/').to_string();
         if prefix.chars().any(|c| c.is_whitespace() || c.is_control()) {
             return Err(ConfigError::new(
@@ -64,9 +59,7 @@ impl MooncakeConfig {
             lookup_cache_ttl_ms: v.u64("mooncake_lookup_cache_ttl_ms"),
             negative_cache_ttl_ms: v.u64("mooncake_negative_cache_ttl_ms"),
             staging_bytes: (v.float("mooncake_staging_buffer_gb") * (1u64 << 30) as f64) as u64,
-            block_size: g.block_size,
-            shard_size: g.shard_size,
-            tensor_size_list: g.tensor_size_list,
+            geometry,
             device_id: v.int("device_id"),
         })
     }
@@ -76,7 +69,7 @@ impl MooncakeConfig {
         let mut c = self.clone();
         c.master = expand_env("mooncake_master", &c.master)?;
         c.key_prefix = expand_env("mooncake_key_prefix", &c.key_prefix)?;
-        validate_geometry(c.block_size, c.shard_size, &c.tensor_size_list)?;
+        c.geometry.validate()?;
         Ok(c)
     }
 

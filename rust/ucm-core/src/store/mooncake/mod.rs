@@ -44,7 +44,6 @@ use super::remote::{Breaker, LookupCache, RemoteBackend, RemoteCore, RemoteStore
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Damage, Result, UcmError};
 use crate::store::format::codec::{is_layout_mismatch, read_len};
-use crate::store::format::layout::Layout;
 
 /// Presence probes in flight during a lookup (they reach the client as
 /// one call per batch).
@@ -72,7 +71,7 @@ impl RemoteStore<MooncakeBackend> {
     /// the pool) by the caller. Registers the staging memory with it.
     pub fn open(cfg: MooncakeConfig, client: Arc<dyn PoolClient>) -> Result<Self> {
         let cfg = cfg.resolved()?;
-        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        let layout = cfg.geometry.layout();
         let block = layout.file_len() as usize;
         // Transfers in flight need a slot each; half the staging budget
         // again, and at least two per thread, so puts and gets never wait

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use crate::config::{ConfigError, Geometry, Values};
 use crate::error::{Result, UcmError};
-use crate::store::format::layout::validate_geometry;
 
 /// The NFS stage's own keys (besides the geometry, `device_id` and
 /// `timeout_ms`), declared in `config/keys.toml`.
@@ -40,12 +39,8 @@ pub struct NfsConfig {
     pub io_direct: bool,
     /// Runtime threads (`nfs_io_threads`).
     pub io_threads: usize,
-    /// Bytes of one whole block (all shards).
-    pub block_size: usize,
-    /// Bytes of one shard; divides `block_size`.
-    pub shard_size: usize,
-    /// Sizes of the tensors of one shard; sum to `shard_size`.
-    pub tensor_size_list: Vec<usize>,
+    /// Block, shard and tensor sizes.
+    pub geometry: Geometry,
     /// -1: lookup-only role (load and dump refused); >= 0: transfers on.
     pub device_id: i64,
 }
@@ -60,9 +55,7 @@ impl Default for NfsConfig {
             lookup_cache_ttl_ms: 30_000,
             io_direct: false,
             io_threads: 2,
-            block_size: 0,
-            shard_size: 0,
-            tensor_size_list: Vec::new(),
+            geometry: Geometry::default(),
             device_id: 0,
         }
     }
@@ -71,7 +64,7 @@ impl Default for NfsConfig {
 impl NfsConfig {
     /// Builds the config from a checked NFS stage (see [`crate::config`]).
     pub fn from_values(v: &Values) -> std::result::Result<Self, ConfigError> {
-        let g = Geometry::from_values(v)?;
+        let geometry = Geometry::from_values(v)?;
         Ok(NfsConfig {
             target: v.text("storage_backends").trim().to_string(),
             mount_options: v.text("nfs_mount_options").to_string(),
@@ -80,9 +73,7 @@ impl NfsConfig {
             lookup_cache_ttl_ms: v.u64("nfs_lookup_cache_ttl_ms"),
             io_direct: v.bool("io_direct"),
             io_threads: v.usize("nfs_io_threads"),
-            block_size: g.block_size,
-            shard_size: g.shard_size,
-            tensor_size_list: g.tensor_size_list,
+            geometry,
             device_id: v.int("device_id"),
         })
     }
@@ -291,7 +282,7 @@ impl NfsConfig {
     pub fn validate(&self) -> Result<(Target, MountOptions, Vec<String>)> {
         let (target, query) = self.parse_target()?;
         let (opts, ignored) = MountOptions::parse(&self.mount_options, &query)?;
-        validate_geometry(self.block_size, self.shard_size, &self.tensor_size_list)?;
+        self.geometry.validate()?;
         if self.max_concurrency == 0 {
             return Err(UcmError::invalid("nfs_max_concurrency: must be > 0"));
         }
@@ -315,9 +306,11 @@ mod tests {
         NfsConfig {
             target: target.into(),
             mount_options: opts.into(),
-            block_size: 8192,
-            shard_size: 4096,
-            tensor_size_list: vec![4096],
+            geometry: Geometry {
+                block_size: 8192,
+                shard_size: 4096,
+                tensor_size_list: vec![4096],
+            },
             ..Default::default()
         }
     }

@@ -67,7 +67,6 @@ use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
 use crate::block::IdMap;
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
-use crate::store::format::layout::Layout;
 
 /// Counters of the NFS backend (the shell counts lookups and loads).
 #[derive(Default)]
@@ -217,7 +216,7 @@ impl NfsBackend {
         ttl: Duration,
         read_only: bool,
     ) -> Self {
-        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        let layout = cfg.geometry.layout();
         // Absent results are never cached: a block another engine publishes
         // is seen by the next lookup.
         let core = RemoteCore::new(

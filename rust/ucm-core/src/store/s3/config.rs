@@ -4,7 +4,6 @@ use std::fmt;
 
 use crate::config::{ConfigError, Geometry, Values};
 use crate::error::{Result, UcmError};
-use crate::store::format::layout::validate_geometry;
 
 /// The S3 stage's own keys (besides the geometry, `device_id` and
 /// `timeout_ms`), declared in `config/keys.toml`.
@@ -55,12 +54,8 @@ pub struct S3Config {
     pub staging_bytes: u64,
     /// Runtime threads (`s3_io_threads`).
     pub io_threads: usize,
-    /// Bytes of one whole block (all shards).
-    pub block_size: usize,
-    /// Bytes of one shard; divides `block_size`.
-    pub shard_size: usize,
-    /// Sizes of the tensors of one shard; sum to `shard_size`.
-    pub tensor_size_list: Vec<usize>,
+    /// Block, shard and tensor sizes.
+    pub geometry: Geometry,
     /// -1: lookup-only role (load and dump refused); >= 0: transfers on.
     pub device_id: i64,
 }
@@ -82,9 +77,7 @@ impl Default for S3Config {
             negative_cache_ttl_ms: 1_000,
             staging_bytes: 1 << 30,
             io_threads: 2,
-            block_size: 0,
-            shard_size: 0,
-            tensor_size_list: Vec::new(),
+            geometry: Geometry::default(),
             device_id: 0,
         }
     }
@@ -102,8 +95,8 @@ impl fmt::Debug for S3Config {
             .field("max_concurrency", &self.max_concurrency)
             .field("retries", &self.retries)
             .field("timeout_ms", &self.timeout_ms)
-            .field("block_size", &self.block_size)
-            .field("shard_size", &self.shard_size)
+            .field("block_size", &self.geometry.block_size)
+            .field("shard_size", &self.geometry.shard_size)
             .finish_non_exhaustive()
     }
 }
@@ -166,7 +159,7 @@ impl S3Location {
 impl S3Config {
     /// Builds the config from a checked S3 stage (see [`crate::config`]).
     pub fn from_values(v: &Values) -> std::result::Result<Self, ConfigError> {
-        let g = Geometry::from_values(v)?;
+        let geometry = Geometry::from_values(v)?;
         let url = v.text("storage_backends").trim().to_string();
         if !(url.starts_with("s3://") || url.starts_with("s3a://") || url.starts_with("${")) {
             return Err(ConfigError::new(
@@ -189,9 +182,7 @@ impl S3Config {
             negative_cache_ttl_ms: v.u64("s3_negative_cache_ttl_ms"),
             staging_bytes: (v.float("s3_staging_buffer_gb") * (1u64 << 30) as f64) as u64,
             io_threads: v.usize("s3_io_threads"),
-            block_size: g.block_size,
-            shard_size: g.shard_size,
-            tensor_size_list: g.tensor_size_list,
+            geometry,
             device_id: v.int("device_id"),
         })
     }
@@ -226,7 +217,7 @@ impl S3Config {
                  AWS environment variables and credential sources are used)",
             ));
         }
-        validate_geometry(self.block_size, self.shard_size, &self.tensor_size_list)?;
+        self.geometry.validate()?;
         if self.max_concurrency == 0 {
             return Err(UcmError::invalid("s3_max_concurrency: must be > 0"));
         }
@@ -288,9 +279,11 @@ mod tests {
     fn validation_names_the_key() {
         let ok = S3Config {
             url: "s3://kvb/p".into(),
-            block_size: 8192,
-            shard_size: 4096,
-            tensor_size_list: vec![4096],
+            geometry: Geometry {
+                block_size: 8192,
+                shard_size: 4096,
+                tensor_size_list: vec![4096],
+            },
             ..Default::default()
         };
         assert!(ok.validate().is_ok());
@@ -311,7 +304,10 @@ mod tests {
             ),
             (
                 S3Config {
-                    tensor_size_list: vec![1],
+                    geometry: Geometry {
+                        tensor_size_list: vec![1],
+                        ..ok.geometry.clone()
+                    },
                     ..ok
                 },
                 "tensor_size_list",

@@ -78,7 +78,6 @@ use super::remote::{RemoteBackend, RemoteCore, RemoteStore};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::store::format::codec::is_layout_mismatch;
-use crate::store::format::layout::Layout;
 use crate::store::remote::{run_blocking, Breaker, LookupCache, Runtime};
 
 /// The S3 side of an [`S3Store`]: the bucket client, the staging of
@@ -236,7 +235,7 @@ impl S3Backend {
         prefix: ObjPath,
         handle: tokio::runtime::Handle,
     ) -> Self {
-        let layout = Layout::new(cfg.block_size, cfg.shard_size, &cfg.tensor_size_list);
+        let layout = cfg.geometry.layout();
         let core = RemoteCore::new(
             layout,
             handle,
