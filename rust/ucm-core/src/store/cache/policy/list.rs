@@ -24,6 +24,20 @@ pub struct List {
 }
 
 impl List {
+    /// The list whose `prev` and `next` arrays are a policy state's first
+    /// `2 * n` words (`n` slots each) and whose header words start at
+    /// `header`.
+    pub fn leading(n: u32, header: usize) -> Self {
+        let n = n as usize;
+        List {
+            prev: 0,
+            next: n,
+            head: header,
+            tail: header + 1,
+            len: header + 2,
+        }
+    }
+
     /// Empties the list (links of its members are left as they are).
     pub fn clear(self, w: &mut [u32]) {
         w[self.head] = NIL;

@@ -7,14 +7,7 @@
 use super::list::List;
 
 fn list(n: u32) -> List {
-    let n = n as usize;
-    List {
-        prev: 0,
-        next: n,
-        head: 2 * n,
-        tail: 2 * n + 1,
-        len: 2 * n + 2,
-    }
+    List::leading(n, 2 * n as usize)
 }
 
 pub fn words(n: usize) -> usize {

@@ -31,27 +31,11 @@ fn base(n: u32) -> usize {
 }
 
 fn small(n: u32) -> List {
-    let n = n as usize;
-    let b = 5 * n;
-    List {
-        prev: 0,
-        next: n,
-        head: b,
-        tail: b + 1,
-        len: b + 2,
-    }
+    List::leading(n, base(n))
 }
 
 fn main_q(n: u32) -> List {
-    let n = n as usize;
-    let b = 5 * n;
-    List {
-        prev: 0,
-        next: n,
-        head: b + 3,
-        tail: b + 4,
-        len: b + 5,
-    }
+    List::leading(n, base(n) + 3)
 }
 
 fn ghost_seq(n: u32) -> usize {

@@ -7,14 +7,7 @@ use super::list::{List, NIL};
 
 // Layout: prev[n] next[n] visited[n] head tail len hand
 fn list(n: u32) -> List {
-    let n = n as usize;
-    List {
-        prev: 0,
-        next: n,
-        head: 3 * n,
-        tail: 3 * n + 1,
-        len: 3 * n + 2,
-    }
+    List::leading(n, 3 * n as usize)
 }
 
 fn hand(n: u32) -> usize {
