@@ -6,7 +6,8 @@
 //! normal-priority I/O threads, and there is never more than one such
 //! request in flight.
 
-use super::psync::{run_blocking, run_callback};
+use super::psync::run_blocking;
+use super::threads::run_callback;
 use super::{BounceBuf, BouncePool, IoDone, IoEngine, IoRequest};
 
 /// Runs requests inline, in `submit`.

@@ -24,8 +24,11 @@ use crate::block::MemSeg;
 pub mod aligned;
 pub mod baseline;
 pub mod bulk_copy;
+#[cfg(test)]
+mod engine_tests;
 pub mod inline;
 pub mod psync;
+mod threads;
 #[cfg(target_os = "linux")]
 pub mod uring;
 
@@ -234,13 +237,7 @@ mod tests {
             let file = std::fs::File::create(&path).expect("create");
             let mut b = engine.bounce(4096);
             b.fill(0x5a);
-            let req = IoRequest {
-                op: IoOp::Write,
-                fd: std::os::fd::AsRawFd::as_raw_fd(&file),
-                offset: 0,
-                iov: vec![b.as_seg(4096)],
-                fixed: b.fixed_index(),
-            };
+            let req = engine_tests::bounced(IoOp::Write, &file, 0, &b);
             assert_eq!(engine.submit_wait(req).expect("write"), 4096);
             assert_eq!(std::fs::read(&path).expect("read"), vec![0x5a; 4096]);
         }

@@ -54,9 +54,6 @@
 //! sentinel `user_data` to wake an idle completion thread, and joins the
 //! threads, which exit once their ring has no request in flight or pending:
 //! every request submitted before the drop completes and its callback runs.
-//!
-//! Over 600 lines because its unit tests sit beside the engine (the last
-//! 210); the code is 570.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
@@ -68,7 +65,8 @@ use std::time::Duration;
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 use parking_lot::Mutex;
 
-use super::psync::{run_callback, IoVecs, MAX_EAGAIN_RETRIES};
+use super::psync::{IoVecs, MAX_EAGAIN_RETRIES};
+use super::threads::{self, closed, run_callback};
 use super::{BounceBuf, BouncePool, IoDone, IoEngine, IoEngineConfig, IoOp, IoRequest};
 
 /// `user_data` of the shutdown NOP (slot indices are far below it).
@@ -407,15 +405,11 @@ impl UringEngine {
             next: AtomicUsize::new(0),
             pool,
         };
-        for (i, ring) in engine.rings.iter().enumerate() {
-            let ring = Arc::clone(ring);
-            let handle = std::thread::Builder::new()
-                .name(format!("ucm-uring-{i}"))
-                .spawn(move || completion_loop(ring))
-                .map_err(|e| crate::UcmError::os("spawn I/O thread", "", e))?;
-            // On error above, dropping `engine` stops the started threads.
-            engine.threads.push(handle);
-        }
+        let rings = &engine.rings;
+        threads::spawn_all("ucm-uring", rings.len(), &mut engine.threads, |i| {
+            let ring = Arc::clone(&rings[i]);
+            move || completion_loop(ring)
+        })?;
         Ok(engine)
     }
 
@@ -491,10 +485,6 @@ fn register(urings: &[IoUring], pool: &BouncePool) -> Vec<(usize, usize)> {
         .collect()
 }
 
-fn closed() -> std::io::Error {
-    std::io::Error::other("I/O engine is shut down")
-}
-
 impl IoEngine for UringEngine {
     fn name(&self) -> &'static str {
         "uring"
@@ -553,28 +543,17 @@ impl Drop for UringEngine {
             drop(st);
             ring.flush();
         }
-        let me = std::thread::current().id();
-        for handle in self.threads.drain(..) {
-            // Dropped from a callback on a completion thread: that thread
-            // exits by itself once its ring has drained.
-            if handle.thread().id() == me {
-                continue;
-            }
-            if handle.join().is_err() {
-                log::error!("an io_uring completion thread panicked");
-            }
-        }
+        threads::join_all(&mut self.threads, "an io_uring completion thread panicked");
         self.pool.set_registered(false);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::psync::test_support as ts;
+    use super::super::engine_tests::{self as suite, engine_test_suite};
     use super::super::{AlignedBuf, IoEngineKind};
     use super::*;
     use crate::block::MemSeg;
-    use std::os::fd::AsRawFd;
 
     fn cfg(threads: usize, qd: u32, pool: usize) -> IoEngineConfig {
         IoEngineConfig {
@@ -597,42 +576,19 @@ mod tests {
         assert_eq!(e.name(), "uring");
     }
 
-    #[test]
-    fn uring_round_trip_direct() {
-        ts::round_trip_direct(&engine());
-    }
+    engine_test_suite!(engine);
 
     #[test]
-    fn uring_round_trip_buffered_unaligned() {
-        ts::round_trip_buffered_unaligned(&engine());
-    }
-
-    #[test]
-    fn uring_vectored() {
-        ts::vectored_many_segments(&engine(), true);
-        ts::vectored_many_segments(&engine(), false);
-        ts::more_than_iov_max_segments(&engine());
-    }
-
-    #[test]
-    fn uring_concurrent() {
-        ts::concurrent(Arc::new(engine()), true);
-        ts::concurrent(Arc::new(engine()), false);
-        // Tiny queues: most requests wait in the pending queue.
-        ts::concurrent(
+    fn uring_concurrent_with_tiny_queues() {
+        // Most requests wait in the pending queue.
+        suite::concurrent(
             Arc::new(UringEngine::new(&cfg(1, 2, 0)).expect("engine")),
             true,
         );
     }
 
     #[test]
-    fn uring_read_past_eof() {
-        ts::read_past_eof(&engine());
-    }
-
-    #[test]
-    fn uring_errors() {
-        ts::errors_reach_callback(&engine());
+    fn uring_rejects_offsets_beyond_off_t() {
         // An offset io_uring would misread as "current position".
         let e = engine();
         let b = AlignedBuf::new(4096);
@@ -653,7 +609,7 @@ mod tests {
         // Root has CAP_IPC_LOCK here, so registration is expected to work;
         // where it does not, the engine must still do the I/O unregistered.
         let registered = e.pool().is_registered();
-        ts::bounce_round_trip(&e);
+        suite::bounce_round_trip(&e);
         if !registered {
             eprintln!("bounce pool not registered here; fixed path not exercised");
             return;
@@ -661,27 +617,15 @@ mod tests {
         assert_eq!(e.fixed_ops(), 2, "bounce round trip used READ/WRITE_FIXED");
 
         let dir = tempfile::tempdir().expect("tempdir");
-        let f = ts::open(&dir.path().join("fx"), true);
+        let f = suite::open(&dir.path().join("fx"), true);
         let mut w = e.bounce(64 << 10);
         assert_eq!(w.fixed_index(), Some(0));
-        w.copy_from_slice(&ts::pattern(33, 64 << 10));
-        let req = IoRequest {
-            op: IoOp::Write,
-            fd: f.as_raw_fd(),
-            offset: 8192,
-            iov: vec![w.as_seg(w.len())],
-            fixed: w.fixed_index(),
-        };
+        w.copy_from_slice(&suite::pattern(33, 64 << 10));
+        let req = suite::bounced(IoOp::Write, &f, 8192, &w);
         assert_eq!(e.submit_wait(req).expect("write fixed"), 64 << 10);
         // Short read through the fixed path: 64 KiB in the file after 8 KiB.
         let r = e.bounce(128 << 10);
-        let req = IoRequest {
-            op: IoOp::Read,
-            fd: f.as_raw_fd(),
-            offset: 8192,
-            iov: vec![r.as_seg(r.len())],
-            fixed: r.fixed_index(),
-        };
+        let req = suite::bounced(IoOp::Read, &f, 8192, &r);
         assert_eq!(e.submit_wait(req).expect("read fixed"), 64 << 10);
         assert_eq!(&r[..64 << 10], &w[..]);
         assert_eq!(e.fixed_ops(), 2 + 3, "write + read + the EOF retry");
@@ -690,22 +634,10 @@ mod tests {
         // ignored (plain READV), not handed to the kernel.
         let heap = AlignedBuf::new(4096);
         let before = e.fixed_ops();
-        let req = IoRequest {
-            op: IoOp::Read,
-            fd: f.as_raw_fd(),
-            offset: 8192,
-            iov: vec![heap.as_seg()],
-            fixed: Some(0),
-        };
+        let req = suite::req_fixed(IoOp::Read, &f, 8192, vec![heap.as_seg()], Some(0));
         assert_eq!(e.submit_wait(req).expect("read"), 4096);
         assert_eq!(&heap[..], &w[..4096]);
-        let req = IoRequest {
-            op: IoOp::Read,
-            fd: f.as_raw_fd(),
-            offset: 8192,
-            iov: vec![r.as_seg(4096)],
-            fixed: Some(7),
-        };
+        let req = suite::req_fixed(IoOp::Read, &f, 8192, vec![r.as_seg(4096)], Some(7));
         assert_eq!(e.submit_wait(req).expect("read"), 4096);
         assert_eq!(e.fixed_ops(), before);
 
@@ -721,23 +653,16 @@ mod tests {
         assert!(!e.pool().is_registered());
         let b = e.bounce(4096);
         assert_eq!(b.fixed_index(), None);
-        ts::bounce_round_trip(&e);
+        suite::bounce_round_trip(&e);
         assert_eq!(e.fixed_ops(), 0);
     }
 
     #[test]
-    fn uring_shutdown() {
-        ts::shutdown_with_requests_in_flight(Box::new(engine()));
-        ts::shutdown_with_requests_in_flight(Box::new(
+    fn uring_shutdown_and_chained_with_tiny_queues() {
+        suite::shutdown_with_requests_in_flight(Box::new(
             UringEngine::new(&cfg(1, 4, 0)).expect("engine"),
         ));
-        ts::drop_inside_callback(Arc::new(engine()));
-    }
-
-    #[test]
-    fn uring_chained() {
-        ts::chained_submit_from_callback(Arc::new(engine()));
-        ts::chained_submit_from_callback(Arc::new(
+        suite::chained_submit_from_callback(Arc::new(
             UringEngine::new(&cfg(1, 1, 0)).expect("engine"),
         ));
     }
@@ -747,17 +672,11 @@ mod tests {
         // 3000 segments of 4 KiB, file holds only 2500 of them.
         let e = engine();
         let dir = tempfile::tempdir().expect("tempdir");
-        let f = ts::open(&dir.path().join("p"), true);
+        let f = suite::open(&dir.path().join("p"), true);
         let data = AlignedBuf::new(2500 * 4096);
         assert_eq!(
-            e.submit_wait(IoRequest {
-                op: IoOp::Write,
-                fd: f.as_raw_fd(),
-                offset: 0,
-                iov: vec![data.as_seg()],
-                fixed: None
-            })
-            .expect("write"),
+            e.submit_wait(suite::req(IoOp::Write, &f, 0, vec![data.as_seg()]))
+                .expect("write"),
             2500 * 4096
         );
         let dst = AlignedBuf::new(3000 * 4096);
@@ -768,13 +687,7 @@ mod tests {
             })
             .collect();
         let n = e
-            .submit_wait(IoRequest {
-                op: IoOp::Read,
-                fd: f.as_raw_fd(),
-                offset: 0,
-                iov,
-                fixed: None,
-            })
+            .submit_wait(suite::req(IoOp::Read, &f, 0, iov))
             .expect("read");
         assert_eq!(n, 2500 * 4096);
     }
