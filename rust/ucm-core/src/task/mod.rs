@@ -300,6 +300,19 @@ mod tests {
     use super::*;
     use std::thread;
 
+    /// Runs `unit` on `task` from another thread, `ms` milliseconds from now.
+    fn after_ms(
+        ms: u64,
+        task: &Arc<Task>,
+        unit: impl FnOnce(&Task) + Send + 'static,
+    ) -> thread::JoinHandle<()> {
+        let task = Arc::clone(task);
+        thread::spawn(move || {
+            thread::sleep(Duration::from_millis(ms));
+            unit(&task);
+        })
+    }
+
     #[test]
     fn success_and_handle_consumed() {
         let reg = TaskRegistry::new(1000);
@@ -345,15 +358,9 @@ mod tests {
         let reg = Arc::new(TaskRegistry::new(50));
         let t = reg.create("load", 2);
         // One unit is already running and finishes 200 ms after submit...
-        let running = t.clone();
-        let a = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(200));
-            running.complete_unit(Ok(()));
-        });
+        let a = after_ms(200, &t, |running| running.complete_unit(Ok(())));
         // ...the other is still queued when the deadline passes.
-        let queued = t.clone();
-        let b = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(80));
+        let b = after_ms(80, &t, |queued| {
             assert!(queued.should_skip());
             queued.skip_unit();
         });
@@ -371,10 +378,8 @@ mod tests {
     fn timeout_error_code_after_cancel() {
         let reg = Arc::new(TaskRegistry::new(30));
         let t = reg.create("load", 1);
-        let worker = t.clone();
-        let h = thread::spawn(move || {
-            // A queued unit that only looks at the task after the deadline.
-            thread::sleep(Duration::from_millis(60));
+        // A queued unit that only looks at the task after the deadline.
+        let h = after_ms(60, &t, |worker| {
             assert!(worker.should_skip());
             worker.skip_unit();
         });
@@ -387,11 +392,7 @@ mod tests {
     fn zero_timeout_waits_forever() {
         let reg = Arc::new(TaskRegistry::new(0));
         let t = reg.create("load", 1);
-        let w = t.clone();
-        let h = thread::spawn(move || {
-            thread::sleep(Duration::from_millis(50));
-            w.complete_unit(Ok(()));
-        });
+        let h = after_ms(50, &t, |w| w.complete_unit(Ok(())));
         reg.wait(t.id()).unwrap();
         h.join().unwrap();
     }
