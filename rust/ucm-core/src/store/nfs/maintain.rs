@@ -7,7 +7,6 @@
 //! live writer leaves that long (it abandons a block after twice the task
 //! timeout).
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use nfs3_client::nfs3_types::nfs3::{fattr3, ftype3};
@@ -21,7 +20,6 @@ use crate::store::format::codec::block_key;
 use crate::store::format::layout::verify_block;
 use crate::store::maintain::{BlockEntry, GcReport, Maintenance};
 use crate::store::posix::PosixMaintenance;
-use crate::store::remote::run_blocking;
 
 /// Temporaries idle this long belong to writers that are gone.
 const TEMP_MAX_AGE: Duration = Duration::from_secs(3600);
@@ -46,17 +44,6 @@ impl RemoteMaintenance {
         Ok(RemoteMaintenance {
             store: NfsStore::open(cfg)?,
         })
-    }
-
-    /// Runs `f` with the backend on the store's runtime.
-    fn run<T, F>(&self, f: impl FnOnce(Arc<NfsBackend>) -> F) -> Result<T>
-    where
-        F: std::future::Future<Output = Result<T>> + Send + 'static,
-        T: Send + 'static,
-    {
-        let b = self.store.backend().clone();
-        let handle = b.core.handle.clone();
-        run_blocking(&handle, f(b))?
     }
 }
 
@@ -96,7 +83,7 @@ fn temp_of(dir: &str, name: &str) -> Option<BlockId> {
 
 impl Maintenance for RemoteMaintenance {
     fn blocks(&self) -> Result<Vec<BlockEntry>> {
-        self.run(|b| async move {
+        self.store.run_on_backend(|b| async move {
             let found = entries(&b).await?.into_iter().filter_map(|(dir, name, a)| {
                 let id = block_at(&dir, &name)?;
                 matches!(a.type_, ftype3::NF3REG).then(|| BlockEntry {
@@ -111,7 +98,7 @@ impl Maintenance for RemoteMaintenance {
 
     fn verify(&self, id: &BlockId) -> Result<()> {
         let id = *id;
-        let raw = self.run(move |b| async move {
+        let raw = self.store.run_on_backend(move |b| async move {
             let Some(size) = b.fs.size_of(&id).await? else {
                 return Err(UcmError::NotFound(format!("block {id}")));
             };
@@ -124,7 +111,7 @@ impl Maintenance for RemoteMaintenance {
 
     fn remove(&self, id: &BlockId) -> Result<bool> {
         let id = *id;
-        self.run(move |b| async move {
+        self.store.run_on_backend(move |b| async move {
             if b.fs.size_of(&id).await?.is_none() {
                 return Ok(false);
             }
@@ -135,7 +122,7 @@ impl Maintenance for RemoteMaintenance {
     }
 
     fn gc(&self) -> Result<GcReport> {
-        self.run(|b| async move {
+        self.store.run_on_backend(|b| async move {
             let mut report = GcReport::default();
             let now = SystemTime::now();
             for (dir, name, a) in entries(&b).await? {

@@ -178,6 +178,18 @@ impl<B: RemoteBackend> RemoteStore<B> {
         &self.backend
     }
 
+    /// Runs the future `f` makes of the backend on the store's runtime and
+    /// waits for its result (maintenance work, outside any task).
+    pub(crate) fn run_on_backend<T, F>(&self, f: impl FnOnce(Arc<B>) -> F) -> Result<T>
+    where
+        F: Future<Output = Result<T>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let b = Arc::clone(&self.backend);
+        let handle = b.core().handle.clone();
+        run_blocking(&handle, f(b))?
+    }
+
     /// The block layout in use.
     pub fn layout(&self) -> &Layout {
         &self.backend.core().layout

@@ -3,19 +3,17 @@
 //! whole and checking it with the format's self-describing check (no
 //! layout needed: the headers declare it).
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use super::{S3Backend, S3Config, S3Store};
+use super::{S3Config, S3Store};
 use crate::block::BlockId;
 use crate::error::Result;
 use crate::store::format::codec::block_key;
 use crate::store::format::layout::verify_block;
 use crate::store::maintain::{BlockEntry, GcReport, Maintenance};
-use crate::store::remote::run_blocking;
 
 /// Maintenance of the blocks under an S3 store's prefix.
 pub struct S3Maintenance {
@@ -30,10 +28,6 @@ impl S3Maintenance {
         Ok(S3Maintenance {
             store: S3Store::open(cfg)?,
         })
-    }
-
-    fn backend(&self) -> Arc<S3Backend> {
-        self.store.backend().clone()
     }
 }
 
@@ -58,9 +52,7 @@ fn system_time(secs: i64, nanos: u32) -> SystemTime {
 
 impl Maintenance for S3Maintenance {
     fn blocks(&self) -> Result<Vec<BlockEntry>> {
-        let b = self.backend();
-        let handle = b.core.handle.clone();
-        run_blocking(&handle, async move {
+        self.store.run_on_backend(|b| async move {
             let prefix = (!b.loc.prefix.is_empty()).then_some(&b.prefix);
             let mut listing = b.client.list(prefix);
             let mut out = Vec::new();
@@ -76,27 +68,23 @@ impl Maintenance for S3Maintenance {
                 }
             }
             Ok(out)
-        })?
+        })
     }
 
     fn verify(&self, id: &BlockId) -> Result<()> {
-        let b = self.backend();
         let id = *id;
-        let handle = b.core.handle.clone();
-        let raw = run_blocking(&handle, async move {
+        let raw = self.store.run_on_backend(move |b| async move {
             let url = b.url_of(&id);
             let got = b.client.get(&b.path(&id)).await;
             let got = got.map_err(|e| b.note_err("GET", &url, e))?;
             got.bytes().await.map_err(|e| b.note_err("GET", &url, e))
-        })??;
+        })?;
         verify_block(&raw, &id).map(drop)
     }
 
     fn remove(&self, id: &BlockId) -> Result<bool> {
-        let b = self.backend();
         let id = *id;
-        let handle = b.core.handle.clone();
-        run_blocking(&handle, async move {
+        self.store.run_on_backend(move |b| async move {
             let (path, url) = (b.path(&id), b.url_of(&id));
             match b.client.head(&path).await {
                 Ok(_) => {}
@@ -108,7 +96,7 @@ impl Maintenance for S3Maintenance {
                 .await
                 .map_err(|e| b.note_err("DELETE", &url, e))?;
             Ok(true)
-        })?
+        })
     }
 
     /// Nothing to collect: every block is one PUT, visible whole or not at
@@ -118,7 +106,7 @@ impl Maintenance for S3Maintenance {
     }
 
     fn location(&self) -> String {
-        self.backend().location.clone()
+        self.store.backend().location.clone()
     }
 }
 
