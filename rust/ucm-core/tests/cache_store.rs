@@ -658,18 +658,20 @@ fn posix_holding(dir: &std::path::Path, blocks: &[u32]) -> Arc<PosixStore> {
     posix
 }
 
-/// A 64-slot cache with `fill` over a Posix store in `dir` holding blocks
-/// 0 to 3.
-fn cache_over_posix(dir: &std::path::Path, fill: FillPolicy) -> CacheStore {
-    let posix = posix_holding(dir, &[0, 1, 2, 3]);
-    CacheStore::open(
+/// A 64-slot cache with `fill` over a Posix store holding blocks 0 to 3,
+/// in a new temporary directory (returned too: the blocks live there).
+fn cache_over_posix(fill: FillPolicy) -> (tempfile::TempDir, CacheStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let posix = posix_holding(dir.path(), &[0, 1, 2, 3]);
+    let cache = CacheStore::open(
         CacheConfig {
             fill_policy: fill,
             ..cfg(64)
         },
         posix,
     )
-    .unwrap()
+    .unwrap();
+    (dir, cache)
 }
 
 /// A load the cache does not keep (here `write_allocate`) reads a local
@@ -677,8 +679,7 @@ fn cache_over_posix(dir: &std::path::Path, fill: FillPolicy) -> CacheStore {
 /// backend reads, nothing cached; an absent block fails and is counted.
 #[test]
 fn a_bypassed_load_over_posix_reads_into_the_caller() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache_over_posix(dir.path(), FillPolicy::WriteAllocate);
+    let (_dir, cache) = cache_over_posix(FillPolicy::WriteAllocate);
     for n in 0..4 {
         load(&cache, n).unwrap();
         assert!(!cache.cached(&id(n)).unwrap());
@@ -697,8 +698,7 @@ fn a_bypassed_load_over_posix_reads_into_the_caller() {
 /// same: the next load of the block is a hit with the same bytes.
 #[test]
 fn a_cold_load_over_posix_reads_into_the_caller_then_fills_the_cache() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache_over_posix(dir.path(), FillPolicy::ReadAllocate);
+    let (_dir, cache) = cache_over_posix(FillPolicy::ReadAllocate);
     for n in 0..4 {
         load(&cache, n).unwrap();
     }

@@ -23,6 +23,7 @@ use common::remote::{
     corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, TestServer, SHARD,
     SHARDS,
 };
+use common::server::{poll, spawn_quiet};
 use ucm_core::config::Geometry;
 use ucm_core::store::nfs::{NfsConfig, NfsStore};
 use ucm_core::store::Store;
@@ -46,6 +47,19 @@ struct Ganesha {
 
 // One export for the Rust and the Python NFS tests alike.
 const CONF: &str = include_str!("../../../tools/nfs/ganesha-test.conf");
+
+/// A command run inside the network and mount namespaces `holder` keeps.
+fn in_namespace(holder: &Child) -> Command {
+    let mut cmd = Command::new("nsenter");
+    cmd.args([
+        "--target",
+        &holder.id().to_string(),
+        "--net",
+        "--mount",
+        "--",
+    ]);
+    cmd
+}
 
 impl Ganesha {
     fn start() -> Option<Ganesha> {
@@ -91,19 +105,10 @@ impl Ganesha {
             let _ = BufReader::new(out).read_line(&mut line);
         }
         assert_eq!(line.trim(), "ready", "namespace setup failed");
-        let rpcbind = Command::new("nsenter")
-            .args([
-                "--target",
-                &holder.id().to_string(),
-                "--net",
-                "--mount",
-                "--",
-            ])
-            .args(["rpcbind", "-f", "-w"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("rpcbind");
+        let rpcbind = spawn_quiet(
+            in_namespace(&holder).args(["rpcbind", "-f", "-w"]),
+            "rpcbind",
+        );
         let mut g = Ganesha {
             holder,
             rpcbind,
@@ -131,29 +136,20 @@ impl Ganesha {
 
     fn start_server(&mut self) {
         let d = self.dir.path();
-        let child = Command::new("nsenter")
-            .args([
-                "--target",
-                &self.holder.id().to_string(),
-                "--net",
-                "--mount",
-                "--",
-            ])
-            .arg(&self.ganesha_bin)
-            .args(["-F", "-N", "NIV_EVENT", "-L"])
-            .arg(d.join("ganesha.log"))
-            .arg("-f")
-            .arg(d.join("ganesha.conf"))
-            .arg("-p")
-            .arg(d.join("ganesha.pid"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("ganesha");
+        let child = spawn_quiet(
+            in_namespace(&self.holder)
+                .arg(&self.ganesha_bin)
+                .args(["-F", "-N", "NIV_EVENT", "-L"])
+                .arg(d.join("ganesha.log"))
+                .arg("-f")
+                .arg(d.join("ganesha.conf"))
+                .arg("-p")
+                .arg(d.join("ganesha.pid")),
+            "ganesha",
+        );
         self.ganesha = Some(child);
         // Ready when the NFS port accepts, seen from inside the namespace.
-        let until = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < until {
+        let up = poll(Duration::from_secs(30), Duration::from_millis(100), || {
             let ok = Command::new("nsenter")
                 .args(["--target", &self.holder.id().to_string(), "--net", "--"])
                 .args(["sh", "-c", "exec 3<>/dev/tcp/127.0.0.1/2049"])
@@ -165,11 +161,11 @@ impl Ganesha {
             let logged = std::fs::read_to_string(d.join("ganesha.log"))
                 .map(|l| l.contains("NFS SERVER INITIALIZED"))
                 .unwrap_or(false);
-            if ok || logged {
-                std::thread::sleep(Duration::from_millis(200));
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
+            ok || logged
+        });
+        if up {
+            std::thread::sleep(Duration::from_millis(200));
+            return;
         }
         panic!(
             "ganesha did not start; see {}",

@@ -87,6 +87,22 @@ impl Buf {
     }
 }
 
+/// A store with the test geometry in a new temporary directory (returned
+/// too: the store's files live as long as it does).
+fn fresh_store(engine: IoEngineKind, direct: bool) -> (tempfile::TempDir, PosixStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+    (dir, store)
+}
+
+/// Loads shard `index` of `block` alone into a new buffer and returns it.
+fn load_shard(store: &PosixStore, block: BlockId, index: usize) -> Buf {
+    let out = Buf::new(SHARD, 0);
+    let t = store.load(vec![out.shard(block, index)]).unwrap();
+    store.wait(t).unwrap();
+    out
+}
+
 fn each_mode(f: impl Fn(IoEngineKind, bool)) {
     for engine in [IoEngineKind::Psync, IoEngineKind::Uring] {
         for direct in [false, true] {
@@ -99,8 +115,7 @@ fn each_mode(f: impl Fn(IoEngineKind, bool)) {
 fn round_trip_all_engines_and_direct_modes() {
     each_mode(|engine, direct| {
         for misalign in [0usize, 64] {
-            let dir = tempfile::tempdir().unwrap();
-            let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+            let (_dir, store) = fresh_store(engine, direct);
             let ids: Vec<BlockId> = (0..8).map(id).collect();
             assert_eq!(store.lookup(&ids).unwrap(), vec![false; 8]);
             let srcs: Vec<Vec<Buf>> = (0..8)
@@ -145,8 +160,7 @@ fn round_trip_all_engines_and_direct_modes() {
 #[test]
 fn background_loads_run_on_the_calling_thread_and_read_the_same_bytes() {
     each_mode(|engine, direct| {
-        let dir = tempfile::tempdir().unwrap();
-        let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+        let (_dir, store) = fresh_store(engine, direct);
         let ids: Vec<BlockId> = (0..3).map(id).collect();
         let srcs: Vec<Buf> = (0..12).map(|n| Buf::filled(SHARD, n, 0)).collect();
         let shards = |bufs: &[Buf]| -> Vec<ShardIo> {
@@ -171,8 +185,7 @@ fn background_loads_run_on_the_calling_thread_and_read_the_same_bytes() {
 
 #[test]
 fn lookup_is_per_block_and_prefix_stops_at_first_miss() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let (_dir, store) = fresh_store(IoEngineKind::Psync, false);
     let present = [0u32, 1, 3];
     let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
     for p in present {
@@ -192,8 +205,7 @@ fn lookup_is_per_block_and_prefix_stops_at_first_miss() {
 
 #[test]
 fn block_invisible_until_all_shards_written_in_any_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = PosixStore::open(config(dir.path(), IoEngineKind::Uring, true)).unwrap();
+    let (_dir, store) = fresh_store(IoEngineKind::Uring, true);
     let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
     // Layer-wise: one task per shard, out of order; the last index is NOT last.
     for s in [3usize, 0, 2] {
@@ -292,8 +304,7 @@ fn work_files(root: &std::path::Path) -> (usize, Vec<String>) {
 #[test]
 fn checksum_failure_is_a_load_error_and_clears_the_destination() {
     each_mode(|engine, direct| {
-        let dir = tempfile::tempdir().unwrap();
-        let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+        let (_dir, store) = fresh_store(engine, direct);
         let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
         let t = store
             .dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0)
@@ -325,8 +336,7 @@ fn whole_block_loads_verify_every_shard_of_the_coalesced_read() {
     // shard is still verified on its own. A file cut short is refused
     // before any byte is read (and removed).
     each_mode(|engine, direct| {
-        let dir = tempfile::tempdir().unwrap();
-        let store = PosixStore::open(config(dir.path(), engine, direct)).unwrap();
+        let (_dir, store) = fresh_store(engine, direct);
         let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
         for b in [1, 2] {
             let t = store
@@ -381,8 +391,7 @@ fn whole_block_loads_verify_every_shard_of_the_coalesced_read() {
 
 #[test]
 fn foreign_block_and_other_layout_are_rejected() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let (dir, store) = fresh_store(IoEngineKind::Psync, false);
     let bufs: Vec<Buf> = (0..4).map(|s| Buf::filled(SHARD, s, 0)).collect();
     let t = store
         .dump((0..4).map(|s| bufs[s].shard(id(1), s)).collect(), 0)
@@ -446,9 +455,7 @@ fn spare_files_are_used_and_cleaned_up() {
         let len = std::fs::metadata(block_path(&store, &id(n))).unwrap().len();
         assert_eq!(len, store.layout().file_len());
     }
-    let out = Buf::new(SHARD, 0);
-    let t = store.load(vec![out.shard(id(7), 2)]).unwrap();
-    store.wait(t).unwrap();
+    let out = load_shard(&store, id(7), 2);
     assert_eq!(out.slice(), bufs[2].slice());
     drop(store);
     // The pool outlives a clean close, and the next store adopts it
@@ -474,8 +481,7 @@ fn spare_files_are_used_and_cleaned_up() {
 
 #[test]
 fn missing_block_load_fails_with_not_found() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = PosixStore::open(config(dir.path(), IoEngineKind::Uring, false)).unwrap();
+    let (_dir, store) = fresh_store(IoEngineKind::Uring, false);
     let out = Buf::new(SHARD, 0);
     let t = store.load(vec![out.shard(id(5), 0)]).unwrap();
     assert_eq!(store.wait(t).unwrap_err().code(), -50005);
@@ -546,9 +552,7 @@ fn capacity_evicts_least_recently_used_and_restart_restores_state() {
     assert!(kept >= 8, "{kept} blocks kept");
     assert_eq!(st.blocks as usize, kept);
     assert_eq!(st.used_bytes, kept as u64 * file_len);
-    let out = Buf::new(SHARD, 0);
-    let t = store.load(vec![out.shard(id(13), 3)]).unwrap();
-    store.wait(t).unwrap();
+    let out = load_shard(&store, id(13), 3);
     assert_eq!(out.slice(), bufs[3].slice());
 }
 
@@ -583,9 +587,7 @@ fn recycling_store(dir: &std::path::Path, direct: bool, files: u64) -> (PosixCon
 /// Loads each shard of block `n` alone and compares it with [`data`].
 fn assert_block_loads(store: &PosixStore, n: u32) {
     for s in 0..4 {
-        let out = Buf::new(SHARD, 0);
-        let t = store.load(vec![out.shard(id(n), s)]).unwrap();
-        store.wait(t).unwrap();
+        let out = load_shard(store, id(n), s);
         assert_eq!(out.slice(), data(n, s).slice(), "block {n} shard {s}");
     }
 }
@@ -769,17 +771,14 @@ fn a_store_at_capacity_dumps_into_recycled_files_without_creating_any() {
         "{} file(s) created at capacity",
         created.len()
     );
-    let out = Buf::new(SHARD, 0);
-    let t = store.load(vec![out.shard(id(99), 1)]).unwrap();
-    store.wait(t).unwrap();
+    let out = load_shard(&store, id(99), 1);
     assert_eq!(out.slice(), data.slice());
 }
 
 #[test]
 fn a_destination_changed_during_a_load_fails_it_but_keeps_the_block() {
     use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-    let dir = tempfile::tempdir().unwrap();
-    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let (_dir, store) = fresh_store(IoEngineKind::Psync, false);
     let data = Buf::filled(SHARD, 3, 0);
     let t = store
         .dump((0..4).map(|s| data.shard(id(1), s)).collect(), 0)
@@ -823,9 +822,7 @@ fn a_destination_changed_during_a_load_fails_it_but_keeps_the_block() {
     // The block was not taken for corrupt: it is still there and loads.
     assert!(store.lookup(&[id(1)]).unwrap()[0]);
     assert_eq!(store.counters().corrupt_loads, 0);
-    let clean = Buf::new(SHARD, 0);
-    let t = store.load(vec![clean.shard(id(1), 0)]).unwrap();
-    store.wait(t).unwrap();
+    let clean = load_shard(&store, id(1), 0);
     assert_eq!(clean.slice(), data.slice());
 }
 
@@ -853,8 +850,7 @@ fn lookup_only_role_refuses_transfers() {
 
 #[test]
 fn bad_shards_are_rejected_at_submit() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = PosixStore::open(config(dir.path(), IoEngineKind::Psync, false)).unwrap();
+    let (_dir, store) = fresh_store(IoEngineKind::Psync, false);
     let b = Buf::new(SHARD, 0);
     let mut s = b.shard(id(1), 0);
     s.segs.pop();

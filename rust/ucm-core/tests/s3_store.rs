@@ -10,7 +10,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,7 @@ use common::remote::{
     corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, Blocks, TestServer,
     ALL, SHARD, SHARDS,
 };
+use common::server::{poll, spawn_quiet};
 use ucm_core::config::Geometry;
 use ucm_core::store::s3::{S3Config, S3Store};
 use ucm_core::store::Store;
@@ -77,9 +78,8 @@ fn http(port: u16, method: &str, path: &str, body: &[u8]) -> std::io::Result<(u1
 /// Waits until every thread of `pid` is stopped (SIGSTOP takes effect
 /// asynchronously; a request already being served could still complete).
 fn wait_stopped(pid: u32) {
-    let until = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < until {
-        let all = std::fs::read_dir(format!("/proc/{pid}/task"))
+    let stopped = poll(Duration::from_secs(5), Duration::from_millis(10), || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
             .into_iter()
             .flatten()
             .flatten()
@@ -92,12 +92,10 @@ fn wait_stopped(pid: u32) {
                             .map(|r| r.trim_start().starts_with('T'))
                     })
                     .unwrap_or(true)
-            });
-        if all {
-            std::thread::sleep(Duration::from_millis(50));
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
+            })
+    });
+    if stopped {
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -123,19 +121,16 @@ impl Moto {
     }
 
     fn restart(&mut self) {
-        let child = Command::new(&self.bin)
-            .args(["-H", "127.0.0.1", "-p", &self.port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn moto_server");
+        let child = spawn_quiet(
+            Command::new(&self.bin).args(["-H", "127.0.0.1", "-p", &self.port.to_string()]),
+            "spawn moto_server",
+        );
         self.child = Some(child);
-        let until = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < until {
-            if matches!(http(self.port, "GET", "/", b""), Ok((200, _))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
+        let up = poll(Duration::from_secs(30), Duration::from_millis(100), || {
+            matches!(http(self.port, "GET", "/", b""), Ok((200, _)))
+        });
+        if up {
+            return;
         }
         panic!("moto_server did not start on port {}", self.port);
     }
