@@ -181,6 +181,14 @@ fn name(s: &str) -> filename3<'_> {
     filename3(Opaque::borrowed(s.as_bytes()))
 }
 
+/// Entry `n` of directory `dir`, as the directory operations name it.
+fn entry<'a>(dir: &nfs_fh3, n: &'a str) -> diropargs3<'a> {
+    diropargs3 {
+        dir: dir.clone(),
+        name: name(n),
+    }
+}
+
 fn attrs(a: post_op_attr) -> Option<fattr3> {
     match a {
         Nfs3Option::Some(f) => Some(f),
@@ -395,10 +403,7 @@ impl Client {
         n: &str,
     ) -> NfsResult<Option<(nfs_fh3, Option<fattr3>)>> {
         let args = LOOKUP3args {
-            what: diropargs3 {
-                dir: dir.clone(),
-                name: name(n),
-            },
+            what: entry(dir, n),
         };
         let res = rpc!(self, format!("LOOKUP {n}"), c => c.lookup(&args));
         match res {
@@ -411,10 +416,7 @@ impl Client {
     /// Creates directory `name` in `dir` (an existing one is fine).
     pub async fn mkdir(&self, dir: &nfs_fh3, n: &str) -> NfsResult<nfs_fh3> {
         let args = MKDIR3args {
-            where_: diropargs3 {
-                dir: dir.clone(),
-                name: name(n),
-            },
+            where_: entry(dir, n),
             attributes: sattr3 {
                 mode: Nfs3Option::Some(0o755),
                 ..Default::default()
@@ -440,10 +442,7 @@ impl Client {
     /// Creates (or truncates) file `name` in `dir`, mode 0644.
     pub async fn create(&self, dir: &nfs_fh3, n: &str) -> NfsResult<nfs_fh3> {
         let args = CREATE3args {
-            where_: diropargs3 {
-                dir: dir.clone(),
-                name: name(n),
-            },
+            where_: entry(dir, n),
             how: createhow3::UNCHECKED(sattr3 {
                 mode: Nfs3Option::Some(0o644),
                 size: Nfs3Option::Some(0),
@@ -542,14 +541,8 @@ impl Client {
     /// the server: readers see the old name or the whole new file).
     pub async fn rename(&self, dir: &nfs_fh3, from: &str, to: &str) -> NfsResult<()> {
         let args = RENAME3args {
-            from: diropargs3 {
-                dir: dir.clone(),
-                name: name(from),
-            },
-            to: diropargs3 {
-                dir: dir.clone(),
-                name: name(to),
-            },
+            from: entry(dir, from),
+            to: entry(dir, to),
         };
         let res = rpc!(self, format!("RENAME {from}"), c => c.rename(&args));
         match res {
@@ -596,10 +589,7 @@ impl Client {
     /// Removes file `name` from `dir` (a missing one is fine).
     pub async fn remove(&self, dir: &nfs_fh3, n: &str) -> NfsResult<()> {
         let args = REMOVE3args {
-            object: diropargs3 {
-                dir: dir.clone(),
-                name: name(n),
-            },
+            object: entry(dir, n),
         };
         let res = rpc!(self, format!("REMOVE {n}"), c => c.remove(&args));
         match res {
