@@ -356,15 +356,23 @@ pub fn try_lock(file: &File) -> bool {
     unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
 
+/// Paths over one new temporary directory (returned too: it lives as long
+/// as the caller keeps it), with the store's directories made.
+#[cfg(test)]
+pub(crate) fn temp_paths() -> (tempfile::TempDir, Paths) {
+    let d = tempfile::tempdir().unwrap();
+    let paths = Paths::new(vec![d.path().to_path_buf()]);
+    paths.create_dirs().unwrap();
+    (d, paths)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn names_and_modes() {
-        let d = tempfile::tempdir().unwrap();
-        let paths = Paths::new(vec![d.path().to_path_buf()]);
-        paths.create_dirs().unwrap();
+        let (d, paths) = temp_paths();
         let id = BlockId([0xab; 16]);
         assert_eq!(paths.block(&id), d.path().join("ab").join("ab".repeat(16)));
         let tmp = paths.temp(&id, 3);

@@ -192,6 +192,7 @@ pub fn nanos(t: SystemTime) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::posix::files::temp_paths;
 
     #[test]
     fn long_scans_report_progress() {
@@ -205,9 +206,7 @@ mod tests {
 
     #[test]
     fn finds_blocks_and_removes_what_is_not_a_block() {
-        let d = tempfile::tempdir().unwrap();
-        let paths = Paths::new(vec![d.path().to_path_buf()]);
-        paths.create_dirs().unwrap();
+        let (_d, paths) = temp_paths();
         let a = BlockId([0x11; 16]);
         let b = BlockId([0x22; 16]);
         let c = BlockId([0x33; 16]);
