@@ -218,6 +218,16 @@ mod tests {
             .block_on(f)
     }
 
+    /// How many times the arena's memory has been freed (its hook called).
+    fn count_frees(arena: &Arena) -> Arc<AtomicU64> {
+        let freed = Arc::new(AtomicU64::new(0));
+        let f = freed.clone();
+        arena.on_free(Box::new(move |_| {
+            f.fetch_add(1, Ordering::Relaxed);
+        }));
+        freed
+    }
+
     #[test]
     fn slots_are_disjoint_aligned_and_reused() {
         let arena = Arena::new(5000, 2).expect("arena");
@@ -236,11 +246,7 @@ mod tests {
     #[test]
     fn a_poisoned_slot_is_never_handed_out_and_the_memory_is_kept() {
         let arena = Arena::new(4096, 2).expect("arena");
-        let freed = Arc::new(AtomicU64::new(0));
-        let f = freed.clone();
-        arena.on_free(Box::new(move |_| {
-            f.fetch_add(1, Ordering::Relaxed);
-        }));
+        let freed = count_frees(&arena);
         let a = block_on(arena.acquire());
         let bad = a.buf().addr;
         a.poison();
@@ -262,11 +268,7 @@ mod tests {
     #[test]
     fn an_unpoisoned_arena_unregisters_when_freed() {
         let arena = Arena::new(4096, 1).expect("arena");
-        let freed = Arc::new(AtomicU64::new(0));
-        let f = freed.clone();
-        arena.on_free(Box::new(move |_| {
-            f.fetch_add(1, Ordering::Relaxed);
-        }));
+        let freed = count_frees(&arena);
         let slot = block_on(arena.acquire());
         drop(arena);
         assert_eq!(
