@@ -83,6 +83,32 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
+/// How long `op` takes.
+fn timed(op: impl FnOnce()) -> Duration {
+    let t0 = Instant::now();
+    op();
+    t0.elapsed()
+}
+
+/// Runs `iters` rounds of `round`, which returns how long its store run
+/// took and the GB/s of a baseline run made right after it (the pair sees
+/// the same machine state, so their ratio is robust to drift). Records each
+/// pair's GB/s in `pairs`; returns the store runs' total time, which is what
+/// criterion measures.
+fn paired_rounds(
+    iters: u64,
+    pairs: &mut Vec<(f64, f64)>,
+    mut round: impl FnMut() -> (Duration, f64),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let (d, base) = round();
+        total += d;
+        pairs.push((gbps(TOTAL, d), base));
+    }
+    total
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -121,21 +147,15 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
         .throughput(Throughput::Bytes(TOTAL as u64));
     g.bench_function("dump", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
+            paired_rounds(iters, &mut dumps, || {
                 round += 1;
                 let work = shards(&src, shard, tensors, round);
-                let t0 = Instant::now();
-                let t = store.dump(work, 0).unwrap();
-                store.wait(t).unwrap();
-                let d = t0.elapsed();
-                total += d;
-                // A baseline run right after each store run: the pairs see
-                // the same machine state, so their ratio is robust to drift.
-                let base = base(&baseline, IoOp::Write, &mut src);
-                dumps.push((gbps(TOTAL, d), base));
-            }
-            total
+                let d = timed(|| {
+                    let t = store.dump(work, 0).unwrap();
+                    store.wait(t).unwrap();
+                });
+                (d, base(&baseline, IoOp::Write, &mut src))
+            })
         })
     });
     // Load the last dumped round again (kept on disk).
@@ -144,17 +164,13 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
     store.wait(t).unwrap();
     g.bench_function("load", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let t0 = Instant::now();
-                let t = store.load(shards(&dst, shard, tensors, round)).unwrap();
-                store.wait(t).unwrap();
-                let d = t0.elapsed();
-                total += d;
-                let base = base(&baseline, IoOp::Read, &mut dst);
-                loads.push((gbps(TOTAL, d), base));
-            }
-            total
+            paired_rounds(iters, &mut loads, || {
+                let d = timed(|| {
+                    let t = store.load(shards(&dst, shard, tensors, round)).unwrap();
+                    store.wait(t).unwrap();
+                });
+                (d, base(&baseline, IoOp::Read, &mut dst))
+            })
         })
     });
     g.finish();
