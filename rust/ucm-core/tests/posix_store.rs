@@ -87,6 +87,14 @@ impl Buf {
     }
 }
 
+/// The shards of blocks `ids`, shard `s` of block `ids[i]` in `bufs[i][s]`.
+fn block_shards(ids: &[BlockId], bufs: &[Vec<Buf>]) -> Vec<ShardIo> {
+    ids.iter()
+        .zip(bufs)
+        .flat_map(|(i, bufs)| bufs.iter().enumerate().map(move |(s, b)| b.shard(*i, s)))
+        .collect()
+}
+
 /// A store with the test geometry in a new temporary directory (returned
 /// too: the store's files live as long as it does).
 fn fresh_store(engine: IoEngineKind, direct: bool) -> (tempfile::TempDir, PosixStore) {
@@ -125,11 +133,7 @@ fn round_trip_all_engines_and_direct_modes() {
                         .collect()
                 })
                 .collect();
-            let shards: Vec<ShardIo> = ids
-                .iter()
-                .zip(&srcs)
-                .flat_map(|(i, bufs)| bufs.iter().enumerate().map(move |(s, b)| b.shard(*i, s)))
-                .collect();
+            let shards = block_shards(&ids, &srcs);
             let t = store.dump(shards, 0).unwrap();
             store.wait(t).unwrap();
             assert_eq!(store.lookup(&ids).unwrap(), vec![true; 8]);
@@ -137,11 +141,7 @@ fn round_trip_all_engines_and_direct_modes() {
             let dsts: Vec<Vec<Buf>> = (0..8)
                 .map(|_| (0..4).map(|_| Buf::new(SHARD, misalign)).collect())
                 .collect();
-            let shards: Vec<ShardIo> = ids
-                .iter()
-                .zip(&dsts)
-                .flat_map(|(i, bufs)| bufs.iter().enumerate().map(move |(s, b)| b.shard(*i, s)))
-                .collect();
+            let shards = block_shards(&ids, &dsts);
             let t = store.load(shards).unwrap();
             store.wait(t).unwrap();
             for (a, b) in srcs.iter().flatten().zip(dsts.iter().flatten()) {
@@ -568,11 +568,8 @@ fn dump_blocks(store: &PosixStore, ns: std::ops::Range<u32>) {
         .clone()
         .map(|n| (0..4).map(|s| data(n, s)).collect())
         .collect();
-    let shards = ns
-        .zip(&bufs)
-        .flat_map(|(n, b)| (0..4).map(move |s| b[s].shard(id(n), s)))
-        .collect();
-    let t = store.dump(shards, 0).unwrap();
+    let ids: Vec<BlockId> = ns.map(id).collect();
+    let t = store.dump(block_shards(&ids, &bufs), 0).unwrap();
     store.wait(t).unwrap();
 }
 
