@@ -32,10 +32,7 @@ fn shards(round: u32, bufs: &mut [Vec<u8>], per_block: usize) -> Vec<ShardIo> {
         .map(|(i, b)| ShardIo {
             block: id(round, (i / per_block) as u32),
             index: i % per_block,
-            segs: vec![MemSeg {
-                addr: b.as_mut_ptr() as usize,
-                len: b.len(),
-            }],
+            segs: vec![MemSeg::of_mut(b)],
         })
         .collect()
 }

@@ -112,6 +112,24 @@ pub struct MemSeg {
     pub len: usize,
 }
 
+impl MemSeg {
+    /// The segment over `bytes`, to be read from (a dump's source).
+    pub fn of(bytes: &[u8]) -> Self {
+        MemSeg {
+            addr: bytes.as_ptr() as usize,
+            len: bytes.len(),
+        }
+    }
+
+    /// The segment over `bytes`, to be written to (a load's destination).
+    pub fn of_mut(bytes: &mut [u8]) -> Self {
+        MemSeg {
+            addr: bytes.as_mut_ptr() as usize,
+            len: bytes.len(),
+        }
+    }
+}
+
 /// One shard of one block to move between caller memory and a store: the
 /// shard's bytes are the concatenation of `segs` in order.
 #[derive(Clone, Debug)]

@@ -177,10 +177,7 @@ pub fn more_than_iov_max_segments(e: &dyn IoEngine) {
         n * 3
     );
     let mut dst = vec![0u8; n * 3];
-    let iov = vec![MemSeg {
-        addr: dst.as_mut_ptr() as usize,
-        len: dst.len(),
-    }];
+    let iov = vec![MemSeg::of_mut(&mut dst)];
     assert_eq!(
         e.submit_wait(req(IoOp::Read, &f, 0, iov)).expect("read"),
         n * 3
@@ -415,10 +412,7 @@ pub fn chained_submit_from_callback(e: Arc<dyn IoEngine>) {
             let _ = tx.send(i);
             return;
         }
-        let iov = vec![MemSeg {
-            addr: data.as_ptr() as usize,
-            len: data.len(),
-        }];
+        let iov = vec![MemSeg::of(&data)];
         let req = req(IoOp::Write, &f, (i * 4096) as u64, iov);
         let e2 = Arc::clone(&e);
         e.submit(

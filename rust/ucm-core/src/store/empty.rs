@@ -98,10 +98,7 @@ mod tests {
         assert_eq!(s.lookup(&[id, id]).unwrap(), vec![false, false]);
         assert_eq!(s.lookup_on_prefix(&[id]).unwrap(), -1);
         let mut buf = vec![0u8; 64];
-        let seg = MemSeg {
-            addr: buf.as_mut_ptr() as usize,
-            len: buf.len(),
-        };
+        let seg = MemSeg::of_mut(&mut buf);
         let shard = ShardIo {
             block: id,
             index: 0,

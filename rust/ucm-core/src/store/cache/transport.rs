@@ -395,25 +395,13 @@ mod tests {
         let a = [1u8; 100];
         let b = [2u8; 28];
         let mut slot = vec![0u8; 128];
-        let segs = [
-            MemSeg {
-                addr: a.as_ptr() as usize,
-                len: 100,
-            },
-            MemSeg {
-                addr: b.as_ptr() as usize,
-                len: 28,
-            },
-        ];
+        let segs = [MemSeg::of(&a), MemSeg::of(&b)];
         // SAFETY: all buffers are live and sized as described.
         unsafe { t.copy_in(slot.as_mut_ptr(), &segs, 0).unwrap() };
         assert_eq!(&slot[..100], &a[..]);
         assert_eq!(&slot[100..], &b[..]);
         let mut c = vec![0u8; 128];
-        let out = [MemSeg {
-            addr: c.as_mut_ptr() as usize,
-            len: 128,
-        }];
+        let out = [MemSeg::of_mut(&mut c)];
         // SAFETY: as above.
         unsafe { t.copy_out(slot.as_ptr(), &out).unwrap() };
         assert_eq!(c, slot);

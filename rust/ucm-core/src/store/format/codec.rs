@@ -160,16 +160,7 @@ mod tests {
         let shard = ShardIo {
             block: BlockId([3; 16]),
             index: 1,
-            segs: vec![
-                MemSeg {
-                    addr: a.as_ptr() as usize,
-                    len: a.len(),
-                },
-                MemSeg {
-                    addr: b.as_ptr() as usize,
-                    len: b.len(),
-                },
-            ],
+            segs: vec![MemSeg::of(&a), MemSeg::of(&b)],
         };
         let mut region = vec![0xffu8; layout.stride];
         // SAFETY: the segments point at live vectors.
@@ -180,16 +171,7 @@ mod tests {
         let out = ShardIo {
             block: shard.block,
             index: 1,
-            segs: vec![
-                MemSeg {
-                    addr: c.as_mut_ptr() as usize,
-                    len: 1000,
-                },
-                MemSeg {
-                    addr: d.as_mut_ptr() as usize,
-                    len: 3000,
-                },
-            ],
+            segs: vec![MemSeg::of_mut(&mut c), MemSeg::of_mut(&mut d)],
         };
         // SAFETY: as above.
         unsafe { decode_region(&layout, &out, &region).unwrap() };
