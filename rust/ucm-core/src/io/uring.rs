@@ -54,6 +54,10 @@
 //! sentinel `user_data` to wake an idle completion thread, and joins the
 //! threads, which exit once their ring has no request in flight or pending:
 //! every request submitted before the drop completes and its callback runs.
+//!
+//! Over 600 lines with its unit tests (the last 146, mostly the checks only
+//! io_uring has: tiny queues, large offsets, shutdown with chained submits);
+//! the engine itself is 549 lines.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
