@@ -137,34 +137,24 @@ class UcmPipelineStore(UcmKVStoreBase):
         """A load (into ``tensors``, which must be writable) or a dump.
         :meth:`load` and :meth:`dump` are this with ``load`` fixed."""
         if isinstance(tensors, Regions):
-            submit = self._native.load_addrs if load else self._native.dump_addrs
-            return self._regions(submit, block_ids, shard_index, tensors, load)
+            bounds = tensors.bounds(writable=load)
+            return self._addr_transfer(
+                block_ids, shard_index, tensors.addrs, load=load, owner=tensors, bounds=bounds
+            )
         ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=load)
-        segs = self._native.load_segs if load else self._native.dump_segs
-        tid = segs(block_ids, list(shard_index), ptrs, lens, offsets, owner=tensors)
+        tid = self._native.transfer_segs(
+            "load" if load else "dump",
+            block_ids,
+            list(shard_index),
+            ptrs,
+            lens,
+            offsets,
+            owner=tensors,
+        )
         return Task(tid)
 
     load = partialmethod(_transfer, load=True)
     dump = partialmethod(_transfer, load=False)
-
-    def _regions(
-        self,
-        submit: Any,
-        block_ids: Sequence[bytes],
-        shard_index: Sequence[int],
-        regions: Regions,
-        writable: bool,
-    ) -> Task:
-        addrs = as_addr_matrix(regions.addrs, len(block_ids))
-        tid = submit(
-            block_ids,
-            _indices(shard_index),
-            addrs,
-            self._col_sizes(addrs),
-            owner=regions,
-            bounds=regions.bounds(writable=writable),
-        )
-        return Task(tid)
 
     def load_data(
         self, block_ids: Sequence[bytes], shard_index: Sequence[int], dst_addr: np.ndarray
@@ -184,15 +174,25 @@ class UcmPipelineStore(UcmKVStoreBase):
         prerequisite_handle: int = 0,
         *,
         load: bool,
+        owner: Regions | None = None,
+        bounds: list[tuple[int, int]] | None = None,
     ) -> Task:
-        """A load or dump with raw addresses; :meth:`dump_data` is this with
-        ``load`` false. **Unchecked**, like :meth:`load_data`: the memory must
-        stay allocated and unchanged until :meth:`wait` returned."""
+        """A load or dump with addresses; :meth:`dump_data` is this with
+        ``load`` false. Without ``bounds`` (the memory of ``owner``, which is
+        kept alive meanwhile) it is **unchecked**, like :meth:`load_data`: the
+        memory must stay allocated and unchanged until :meth:`wait` returned."""
         addrs = as_addr_matrix(addr, len(block_ids))
-        args = (block_ids, _indices(shard_index), addrs, self._col_sizes(addrs))
-        if load:
-            return Task(self._native.load_addrs(*args))
-        return Task(self._native.dump_addrs(*args, prerequisite_handle))
+        tid = self._native.transfer_addrs(
+            "load" if load else "dump",
+            block_ids,
+            _indices(shard_index),
+            addrs,
+            self._col_sizes(addrs),
+            prerequisite_handle,
+            owner=owner,
+            bounds=bounds,
+        )
+        return Task(tid)
 
     dump_data = partialmethod(_addr_transfer, load=False)
 

@@ -412,34 +412,19 @@ impl PyStore {
         py.detach(move || store.prefetch(&ids)).py_err()
     }
 
-    /// Starts a load into addresses: `addrs` is (n, k) uint64 and column
-    /// `j` is `sizes[j]` bytes. With `bounds` (the (address, length) of the
-    /// memory of each object in `owner`), every range must lie inside one
-    /// of them and `owner` is kept alive until the task finished; without,
-    /// the addresses are trusted as they are (the raw `load_data` API).
-    #[pyo3(signature = (block_ids, shard_index, addrs, sizes, owner=None, bounds=None))]
+    /// Starts a transfer (`direction` "load" or "dump") with addresses:
+    /// `addrs` is (n, k) uint64 and column `j` is `sizes[j]` bytes. With
+    /// `bounds` (the (address, length) of the memory of each object in
+    /// `owner`), every range must lie inside one of them and `owner` is kept
+    /// alive until the task finished; without, the addresses are trusted as
+    /// they are (the raw `load_data`/`dump_data` API). A dump waits for the
+    /// event `prerequisite_handle` (0: none) before it reads.
+    #[pyo3(signature = (direction, block_ids, shard_index, addrs, sizes, prerequisite_handle=0, owner=None, bounds=None))]
     #[allow(clippy::too_many_arguments)] // the address matrix and its owners
-    fn load_addrs(
+    fn transfer_addrs(
         &self,
         py: Python<'_>,
-        block_ids: &Bound<'_, PyAny>,
-        shard_index: &Bound<'_, PyAny>,
-        addrs: &Bound<'_, PyAny>,
-        sizes: Vec<usize>,
-        owner: Option<Py<PyAny>>,
-        bounds: Option<Vec<(u64, u64)>>,
-    ) -> PyResult<u64> {
-        self.usable()?;
-        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?;
-        self.submit(py, shards, None, owner)
-    }
-
-    /// Starts a dump from addresses (see `load_addrs`).
-    #[pyo3(signature = (block_ids, shard_index, addrs, sizes, prerequisite_handle=0, owner=None, bounds=None))]
-    #[allow(clippy::too_many_arguments)] // the address matrix and its owners
-    fn dump_addrs(
-        &self,
-        py: Python<'_>,
+        direction: &str,
         block_ids: &Bound<'_, PyAny>,
         shard_index: &Bound<'_, PyAny>,
         addrs: &Bound<'_, PyAny>,
@@ -449,37 +434,20 @@ impl PyStore {
         bounds: Option<Vec<(u64, u64)>>,
     ) -> PyResult<u64> {
         self.usable()?;
+        let dump_after = dump_after(direction, prerequisite_handle)?;
         let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?;
-        self.submit(py, shards, Some(prerequisite_handle), owner)
+        self.submit(py, shards, dump_after, owner)
     }
 
-    /// Starts a load into per-shard segment lists given in CSR form, taken
-    /// from the objects in `owner`, which are kept alive until the task
-    /// finished.
-    #[pyo3(signature = (block_ids, shard_index, ptrs, lens, offsets, owner=None))]
+    /// Starts a transfer (see `transfer_addrs`) with per-shard segment lists
+    /// given in CSR form, taken from the objects in `owner`, which are kept
+    /// alive until the task finished.
+    #[pyo3(signature = (direction, block_ids, shard_index, ptrs, lens, offsets, prerequisite_handle=0, owner=None))]
     #[allow(clippy::too_many_arguments)] // one argument per CSR array
-    fn load_segs(
+    fn transfer_segs(
         &self,
         py: Python<'_>,
-        block_ids: &Bound<'_, PyAny>,
-        shard_index: &Bound<'_, PyAny>,
-        ptrs: Vec<u64>,
-        lens: Vec<u64>,
-        offsets: Vec<u64>,
-        owner: Option<Py<PyAny>>,
-    ) -> PyResult<u64> {
-        self.usable()?;
-        let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
-        self.submit(py, shards, None, owner)
-    }
-
-    /// Starts a dump from per-shard segment lists given in CSR form (see
-    /// `load_segs`).
-    #[pyo3(signature = (block_ids, shard_index, ptrs, lens, offsets, prerequisite_handle=0, owner=None))]
-    #[allow(clippy::too_many_arguments)] // one argument per CSR array
-    fn dump_segs(
-        &self,
-        py: Python<'_>,
+        direction: &str,
         block_ids: &Bound<'_, PyAny>,
         shard_index: &Bound<'_, PyAny>,
         ptrs: Vec<u64>,
@@ -489,8 +457,9 @@ impl PyStore {
         owner: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
         self.usable()?;
+        let dump_after = dump_after(direction, prerequisite_handle)?;
         let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
-        self.submit(py, shards, Some(prerequisite_handle), owner)
+        self.submit(py, shards, dump_after, owner)
     }
 
     /// Blocks (without the GIL) until the task finishes; raises on failure.
@@ -556,6 +525,19 @@ impl PyStore {
             d.set_item(k, v)?;
         }
         Ok(d)
+    }
+}
+
+/// What `submit` takes for a transfer `direction`: None for a load, the
+/// prerequisite event for a dump. A load has no prerequisite.
+fn dump_after(direction: &str, prerequisite_handle: u64) -> PyResult<Option<u64>> {
+    match direction {
+        "load" if prerequisite_handle == 0 => Ok(None),
+        "load" => Err(invalid("a load has no prerequisite_handle")),
+        "dump" => Ok(Some(prerequisite_handle)),
+        other => Err(invalid(format!(
+            "direction must be \"load\" or \"dump\", not {other:?}"
+        ))),
     }
 }
 
