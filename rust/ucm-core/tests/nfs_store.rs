@@ -20,8 +20,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::remote::{
-    corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, TestServer, SHARD,
-    SHARDS,
+    corrupt_load_is_refused, dump_layer_wise, id, open_fails_naming, round_trip, survive_outage,
+    TestServer, SHARD, SHARDS,
 };
 use common::server::{poll, spawn_quiet};
 use ucm_core::config::Geometry;
@@ -297,8 +297,7 @@ fn mounted_directory_round_trip() {
     exercise(&|| NfsStore::open(config(&target)).expect("open"), &root);
     let mut cfg = config(&root.join("missing").display().to_string());
     cfg.device_id = 0;
-    let e = NfsStore::open(cfg).err().expect("error");
-    assert!(e.to_string().contains("storage_backends"), "{e}");
+    open_fails_naming(NfsStore::open(cfg), "storage_backends");
 }
 
 #[test]
@@ -319,8 +318,7 @@ fn ganesha_round_trip_faults_and_errors() {
     let mut cfg = config(&g.url("kv"));
     cfg.mount_options = "port=3049,mountport=3048,timeo=5,retrans=0".into();
     let started = Instant::now();
-    let e = NfsStore::open(cfg).err().expect("error");
-    assert!(e.to_string().contains("storage_backends"), "{e}");
+    open_fails_naming(NfsStore::open(cfg), "storage_backends");
     assert!(started.elapsed() < Duration::from_secs(5));
 
     // faults: explicit ports (no portmapper), short timeouts

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::remote::{
-    corrupt_load_is_refused, dump_layer_wise, id, round_trip, survive_outage, Blocks, TestServer,
-    ALL, SHARD, SHARDS,
+    corrupt_load_is_refused, dump_layer_wise, id, open_fails_naming, round_trip, survive_outage,
+    Blocks, TestServer, ALL, SHARD, SHARDS,
 };
 use common::server::{poll, spawn_quiet};
 use ucm_core::config::Geometry;
@@ -313,13 +313,11 @@ fn open_fails_clearly_for_missing_bucket_and_dead_endpoint() {
     cfg.endpoint = format!("http://127.0.0.1:{}", free_port());
     cfg.retries = 1;
     let started = Instant::now();
-    let e = S3Store::open(cfg).err().expect("error");
-    assert!(e.to_string().contains("s3_endpoint"), "{e}");
+    open_fails_naming(S3Store::open(cfg), "s3_endpoint");
     assert!(started.elapsed() < Duration::from_secs(15));
     let mut cfg = moto.config("whatever");
     cfg.access_key = "${UCM_TEST_SURELY_UNSET_VAR}".into();
-    let e = S3Store::open(cfg).err().expect("error");
-    assert!(e.to_string().contains("UCM_TEST_SURELY_UNSET_VAR"), "{e}");
+    open_fails_naming(S3Store::open(cfg), "UCM_TEST_SURELY_UNSET_VAR");
 }
 
 #[test]

@@ -75,6 +75,13 @@ impl Blocks {
 /// (another store over the same location, or the same store): lookups,
 /// prefix lookups, whole and single-shard loads; block 77 is missing.
 /// Returns the blocks written.
+/// Asserts that opening a store failed with an error naming `what` (the
+/// key or variable at fault).
+pub fn open_fails_naming<S>(opened: ucm_core::Result<S>, what: &str) {
+    let e = opened.err().expect("open must fail");
+    assert!(e.to_string().contains(what), "{e}");
+}
+
 pub fn round_trip(writer: &dyn Store, reader: &dyn Store) -> Blocks {
     let ids = [1, 2, 3];
     assert_eq!(writer.lookup(&[id(1), id(2)]).unwrap(), vec![false, false]);
