@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from ucm.testing.tiny_serve import free_port
+
 CONNECTOR = "LMCacheMPConnector"
 
 
@@ -59,12 +61,6 @@ def with_lmcache(env: dict[str, str], path: Path) -> dict[str, str]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LMCacheServer:
     """An LMCache multi-process server: an L1 pool of ``l1_gib`` in shared
     memory and an L2 tier of files under ``disk``, with ``chunk`` tokens per
@@ -82,7 +78,7 @@ class LMCacheServer:
         l2: str = "fs",
         start_timeout_s: float = 180.0,
     ) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.disk = disk
         self.chunk = chunk
         disk.mkdir(parents=True, exist_ok=True)

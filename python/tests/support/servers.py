@@ -43,13 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from ucm.testing.tiny_serve import free_port
+
 CLONE_NEWNET = 0x40000000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def find_binary(name: str) -> str | None:
