@@ -223,7 +223,9 @@ def wrap_attention_impl(
         else:
             q, k, v, out = call.query, call.key, call.value, call.output
             result = impl_forward(layer, q, k, v, kv_cache, attn_metadata, out, *args, **kwargs)
-        agent.attention_finished(call.replace(output=result))
+        # This runs per layer and step: copy the call only when the backend
+        # wrote somewhere else than the call's output.
+        agent.attention_finished(call if result is call.output else call.replace(output=result))
         return result
 
     return forward
