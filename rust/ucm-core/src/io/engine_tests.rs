@@ -34,10 +34,6 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn seg(b: &AlignedBuf) -> MemSeg {
-    b.as_seg()
-}
-
 /// A request on `f` at `offset` through `iov`, naming no registered buffer.
 pub fn req(op: IoOp, f: &File, offset: u64, iov: Vec<MemSeg>) -> IoRequest {
     req_fixed(op, f, offset, iov, None)
@@ -74,13 +70,13 @@ pub fn round_trip_direct(e: &dyn IoEngine) {
     let mut w = AlignedBuf::new(len);
     w.copy_from_slice(&pattern(1, len));
     assert_eq!(
-        e.submit_wait(req(IoOp::Write, &f, 4096, vec![seg(&w)]))
+        e.submit_wait(req(IoOp::Write, &f, 4096, vec![w.as_seg()]))
             .expect("write"),
         len
     );
     let r = AlignedBuf::new(len);
     assert_eq!(
-        e.submit_wait(req(IoOp::Read, &f, 4096, vec![seg(&r)]))
+        e.submit_wait(req(IoOp::Read, &f, 4096, vec![r.as_seg()]))
             .expect("read"),
         len
     );
@@ -130,7 +126,7 @@ pub fn vectored_many_segments(e: &dyn IoEngine, direct: bool) {
             b
         })
         .collect();
-    let iov = src.iter().map(seg).collect();
+    let iov = src.iter().map(AlignedBuf::as_seg).collect();
     assert_eq!(
         e.submit_wait(req(IoOp::Write, &f, 0, iov)).expect("writev"),
         32 * seg_len
@@ -139,7 +135,7 @@ pub fn vectored_many_segments(e: &dyn IoEngine, direct: bool) {
     // reverse memory order.
     let whole = AlignedBuf::new(32 * seg_len);
     assert_eq!(
-        e.submit_wait(req(IoOp::Read, &f, 0, vec![seg(&whole)]))
+        e.submit_wait(req(IoOp::Read, &f, 0, vec![whole.as_seg()]))
             .expect("read"),
         32 * seg_len
     );
@@ -151,7 +147,7 @@ pub fn vectored_many_segments(e: &dyn IoEngine, direct: bool) {
         );
     }
     let dst: Vec<AlignedBuf> = (0..32).map(|_| AlignedBuf::new(seg_len)).collect();
-    let iov = dst.iter().rev().map(seg).collect();
+    let iov = dst.iter().rev().map(AlignedBuf::as_seg).collect();
     assert_eq!(
         e.submit_wait(req(IoOp::Read, &f, 0, iov)).expect("readv"),
         32 * seg_len
