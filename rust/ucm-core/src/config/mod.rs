@@ -20,7 +20,8 @@ mod schema;
 mod value;
 
 pub use geometry::Geometry;
-pub use schema::{stage, stages, Dflt, Key, Kind, Stage, MAX_TIMEOUT_MS};
+pub use keys::{stage, stages};
+pub use schema::{Dflt, Key, Kind, Stage, MAX_TIMEOUT_MS};
 
 /// The key groups several stages share.
 pub mod schema_groups {

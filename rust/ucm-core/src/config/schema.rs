@@ -1,8 +1,6 @@
 //! The declarations: what a key is, and which keys each stage takes (the
 //! keys and stages themselves are in `keys.toml`, see [`super::keys`]).
 
-use super::keys::STAGES;
-
 /// The type and range of a key's value.
 #[derive(Clone, Copy, Debug)]
 pub enum Kind {
@@ -112,60 +110,3 @@ impl Stage {
 
 /// Longest timeout: a day (the largest `timeout_ms` and lookup cache TTL).
 pub const MAX_TIMEOUT_MS: i64 = 86_400_000;
-
-/// Every built-in stage.
-pub fn stages() -> &'static [Stage] {
-    STAGES
-}
-
-/// The built-in stage named `name` (or one of its aliases).
-pub fn stage(name: &str) -> Option<&'static Stage> {
-    STAGES
-        .iter()
-        .find(|s| s.name == name || s.aliases.contains(&name))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_key_is_declared_once_per_stage_with_a_valid_default() {
-        for s in stages() {
-            let mut names: Vec<_> = s.keys().map(|k| k.name).collect();
-            let n = names.len();
-            names.sort_unstable();
-            names.dedup();
-            assert_eq!(names.len(), n, "duplicate key in stage {}", s.name);
-            for k in s.keys() {
-                assert!(!k.doc.is_empty(), "{}.{} has no doc", s.name, k.name);
-                if let Dflt::Is(text) = k.default {
-                    let raw = super::super::Raw::Str(text.into());
-                    assert!(
-                        super::super::value::convert(k, &raw).is_ok() || k.secret,
-                        "{}.{}: default {text:?} does not parse",
-                        s.name,
-                        k.name
-                    );
-                }
-            }
-        }
-        assert_eq!(stage("Ds3fs").map(|s| s.name), Some("S3"));
-    }
-
-    #[test]
-    fn timeouts_are_capped_at_max_timeout_ms() {
-        // keys.toml writes the cap as a number; the code names it.
-        for s in stages() {
-            for k in s.keys().filter(|k| k.name.ends_with("_ms")) {
-                assert!(
-                    matches!(k.kind, Kind::Int { min: 0, max } if max == MAX_TIMEOUT_MS),
-                    "{}.{}: {:?}",
-                    s.name,
-                    k.name,
-                    k.kind
-                );
-            }
-        }
-    }
-}
