@@ -14,13 +14,21 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::client::Buf;
 use crate::error::{Result, UcmError};
 
 const ALIGN: usize = 4096;
 
 /// What runs when the arena is freed, with its base address.
 type OnFree = Box<dyn FnOnce(usize) + Send>;
+
+/// One memory range of a transfer: an address and a length in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Buf {
+    /// Start address.
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+}
 
 /// The slots and who may use them.
 pub struct Arena {

@@ -16,17 +16,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::arena::Slot;
+use super::arena::{Buf, Slot};
 use crate::error::{Result, UcmError};
-
-/// One memory range of a transfer: an address and a length in bytes.
-#[derive(Clone, Copy, Debug)]
-pub struct Buf {
-    /// Start address.
-    pub addr: usize,
-    /// Bytes.
-    pub len: usize,
-}
 
 /// The calls the store makes into a Mooncake pool. Each answer is one
 /// Mooncake code per key, as the client returns it: `>= 0` is success (a

@@ -30,7 +30,8 @@ pub mod arena;
 pub mod client;
 pub mod config;
 
-pub use client::{Buf, PoolClient};
+pub use arena::Buf;
+pub use client::PoolClient;
 pub use config::{MooncakeConfig, KEYS};
 
 use std::sync::atomic::{AtomicU64, Ordering};
