@@ -63,6 +63,7 @@ mod lookup;
 pub mod policy;
 mod prefault;
 mod prefetch;
+mod progress;
 pub mod region;
 mod stats;
 pub mod table;
@@ -73,13 +74,14 @@ pub use config::{CacheConfig, FillPolicy, WriteBackPolicy, KEYS};
 pub use policy::PolicyKind;
 pub use transport::DeviceMemory;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use self::progress::{InFlight, TaskCtx};
 use self::stats::Counters;
 use self::table::{Geometry, Table};
 use self::transport::Transport;
@@ -89,7 +91,7 @@ use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
 use crate::store::format::codec::check_shards;
-use crate::task::{Task, TaskId, TaskRegistry, WorkerPool};
+use crate::task::{TaskId, TaskRegistry, WorkerPool};
 
 /// Shards classified per table-lock acquisition, so one huge task does not
 /// hold the lock for long.
@@ -99,74 +101,6 @@ const LOCK_CHUNK: usize = 256;
 const COPY_JOB_BYTES: usize = 4 << 20;
 /// How often the write-back thread reaps dead participants (shared mode).
 const HOUSEKEEPING: Duration = Duration::from_secs(1);
-
-/// Loads and dumps whose jobs are queued or running. Background work that
-/// competes with them for the process's memory map (the start-up commit of
-/// the cache's memory) waits while any is in flight.
-#[derive(Default)]
-struct InFlight(AtomicUsize);
-
-impl InFlight {
-    fn any(&self) -> bool {
-        self.0.load(Ordering::Acquire) > 0
-    }
-}
-
-/// Counts one task in [`InFlight`] until dropped.
-struct InFlightGuard(Arc<InFlight>);
-
-impl InFlightGuard {
-    fn new(count: &Arc<InFlight>) -> Self {
-        count.0.fetch_add(1, Ordering::AcqRel);
-        InFlightGuard(count.clone())
-    }
-}
-
-impl Drop for InFlightGuard {
-    fn drop(&mut self) {
-        self.0 .0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Per-task completion bookkeeping (latency of loads). Its jobs share it,
-/// so it lives, and counts as in flight, until the last of them ends.
-struct TaskCtx {
-    task: Arc<Task>,
-    start: Instant,
-    remaining: AtomicUsize,
-    is_load: bool,
-    _in_flight: InFlightGuard,
-}
-
-impl TaskCtx {
-    fn new(task: Arc<Task>, units: usize, is_load: bool, in_flight: &Arc<InFlight>) -> Arc<Self> {
-        Arc::new(TaskCtx {
-            task,
-            start: Instant::now(),
-            remaining: AtomicUsize::new(units),
-            is_load,
-            _in_flight: InFlightGuard::new(in_flight),
-        })
-    }
-
-    fn finish_one(&self, c: &Counters) {
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 && self.is_load {
-            c.load_latency.record(self.start.elapsed());
-        }
-    }
-
-    // Bookkeeping first: once the last unit completes, the caller's `wait`
-    // returns and may read the stats.
-    fn done(&self, c: &Counters, outcome: Result<()>) {
-        self.finish_one(c);
-        self.task.complete_unit(outcome);
-    }
-
-    fn skip(&self, c: &Counters) {
-        self.finish_one(c);
-        self.task.skip_unit();
-    }
-}
 
 struct Inner {
     cfg: CacheConfig,
