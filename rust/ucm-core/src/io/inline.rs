@@ -31,7 +31,7 @@ impl IoEngine for InlineEngine {
     }
 
     fn submit(&self, req: IoRequest, done: IoDone) {
-        let res = if req.is_empty() {
+        let res = if req.bytes() == 0 {
             Ok(0)
         } else {
             run_blocking(req.op, req.fd, req.offset, &req.iov)

@@ -70,14 +70,9 @@ pub struct IoRequest {
 }
 
 impl IoRequest {
-    /// Total length of the request in bytes.
-    pub fn len(&self) -> usize {
+    /// Bytes the request moves (zero: the engines complete it at once).
+    pub fn bytes(&self) -> usize {
         self.iov.iter().map(|s| s.len).sum()
-    }
-
-    /// True when the request moves no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

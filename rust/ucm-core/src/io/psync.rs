@@ -207,7 +207,7 @@ impl IoEngine for PsyncEngine {
     }
 
     fn submit(&self, req: IoRequest, done: IoDone) {
-        if req.is_empty() {
+        if req.bytes() == 0 {
             run_callback(done, Ok(0));
             return;
         }

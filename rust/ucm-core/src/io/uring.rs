@@ -139,7 +139,7 @@ impl Ring {
             offset: req.offset,
             fixed: self.fixed_for(&req),
             iov: IoVecs::from_segs(&req.iov),
-            total: req.len(),
+            total: req.bytes(),
             done: 0,
             retries: 0,
             cb,
@@ -495,7 +495,7 @@ impl IoEngine for UringEngine {
     }
 
     fn submit(&self, req: IoRequest, done: IoDone) {
-        if req.is_empty() {
+        if req.bytes() == 0 {
             run_callback(done, Ok(0));
             return;
         }
@@ -503,7 +503,7 @@ impl IoEngine for UringEngine {
         // reject offsets that do not fit in off_t instead.
         let in_range = req
             .offset
-            .checked_add(req.len() as u64)
+            .checked_add(req.bytes() as u64)
             .is_some_and(|end| end <= i64::MAX as u64);
         if !in_range {
             run_callback(

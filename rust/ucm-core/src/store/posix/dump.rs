@@ -377,7 +377,7 @@ impl Shared {
         // The writer (and so the file) lives until the completion.
         let fd = writer.file.file.as_raw_fd();
         let req = self.shard_request(IoOp::Write, fd, shard.index, &head, iov, bounce_needed);
-        let expected = req.len();
+        let expected = req.bytes();
         let shared = self.clone();
         let task = task.clone();
         let writer = writer.clone();

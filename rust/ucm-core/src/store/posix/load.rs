@@ -139,7 +139,7 @@ impl Shared {
         }
         let fd = std::os::fd::AsRawFd::as_raw_fd(&open.file);
         let req = self.shard_request(IoOp::Read, fd, shard.index, &head, iov, bounce_needed);
-        let expected = req.len();
+        let expected = req.bytes();
         self.submit_read(engine, task, req, move |shared, task, res| {
             let got = Delivered {
                 res,
