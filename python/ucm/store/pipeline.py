@@ -141,14 +141,11 @@ class UcmPipelineStore(UcmKVStoreBase):
             return self._addr_transfer(
                 block_ids, shard_index, tensors.addrs, load=load, owner=tensors, bounds=bounds
             )
-        ptrs, lens, offsets = pack_tensors(tensors, len(block_ids), writable=load)
         tid = self._native.transfer_segs(
             "load" if load else "dump",
             block_ids,
             list(shard_index),
-            ptrs,
-            lens,
-            offsets,
+            pack_tensors(tensors, len(block_ids), writable=load),
             owner=tensors,
         )
         return Task(tid)

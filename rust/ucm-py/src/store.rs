@@ -440,25 +440,24 @@ impl PyStore {
     }
 
     /// Starts a transfer (see `transfer_addrs`) with per-shard segment lists
-    /// given in CSR form, taken from the objects in `owner`, which are kept
-    /// alive until the task finished.
-    #[pyo3(signature = (direction, block_ids, shard_index, ptrs, lens, offsets, prerequisite_handle=0, owner=None))]
-    #[allow(clippy::too_many_arguments)] // one argument per CSR array
+    /// in CSR form, `segments` = (pointers, lengths, row offsets), taken
+    /// from the objects in `owner`, which are kept alive until the task
+    /// finished.
+    #[pyo3(signature = (direction, block_ids, shard_index, segments, prerequisite_handle=0, owner=None))]
+    #[allow(clippy::too_many_arguments)] // the shards, their memory and its owner
     fn transfer_segs(
         &self,
         py: Python<'_>,
         direction: &str,
         block_ids: &Bound<'_, PyAny>,
         shard_index: &Bound<'_, PyAny>,
-        ptrs: Vec<u64>,
-        lens: Vec<u64>,
-        offsets: Vec<u64>,
+        segments: (Vec<u64>, Vec<u64>, Vec<u64>),
         prerequisite_handle: u64,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
         self.usable()?;
         let dump_after = dump_after(direction, prerequisite_handle)?;
-        let shards = seg_shards(block_ids, shard_index, ptrs, lens, offsets)?;
+        let shards = seg_shards(block_ids, shard_index, segments)?;
         self.submit(py, shards, dump_after, owner)
     }
 
@@ -542,13 +541,11 @@ fn dump_after(direction: &str, prerequisite_handle: u64) -> PyResult<Option<u64>
 }
 
 /// The shards named by `block_ids` / `shard_index`, with segments in CSR
-/// form (`load_segs` / `dump_segs`).
+/// form (`transfer_segs`).
 fn seg_shards(
     block_ids: &Bound<'_, PyAny>,
     shard_index: &Bound<'_, PyAny>,
-    ptrs: Vec<u64>,
-    lens: Vec<u64>,
-    offsets: Vec<u64>,
+    (ptrs, lens, offsets): (Vec<u64>, Vec<u64>, Vec<u64>),
 ) -> PyResult<Vec<ShardIo>> {
     let ids = parse_ids(block_ids)?;
     let idx = parse_indices(shard_index, ids.len())?;
