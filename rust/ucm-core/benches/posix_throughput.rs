@@ -30,22 +30,12 @@ use ucm_core::io::{AlignedBuf, BaselineFile, IoEngineKind, IoOp};
 use ucm_core::store::{PosixConfig, PosixStore, Store};
 use ucm_core::{BlockId, MemSeg, ShardIo};
 
+/// Bytes moved per round of a case.
 const TOTAL: usize = 128 << 20;
+/// Requests the baseline keeps in flight, as the store's engines do.
 const QD: usize = 4;
 /// Rounds of TOTAL bytes the store holds before it evicts.
 const CAPACITY_ROUNDS: usize = 3;
-
-struct Row {
-    case: String,
-    dump: f64,
-    load: f64,
-    base_write: f64,
-    base_read: f64,
-    dump_ratio: f64,
-    load_ratio: f64,
-}
-
-static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
 
 fn bench_dir() -> tempfile::TempDir {
     let parent = std::env::var_os("UCM_BENCH_DIR")
@@ -223,6 +213,19 @@ fn benches(c: &mut Criterion) {
         }
     }
 }
+
+/// One printed line: a case's GB/s and its ratios to the baseline.
+struct Row {
+    case: String,
+    dump: f64,
+    load: f64,
+    base_write: f64,
+    base_read: f64,
+    dump_ratio: f64,
+    load_ratio: f64,
+}
+
+static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
 
 fn case_name(engine: IoEngineKind, direct: bool, shard: usize, tensors: usize) -> String {
     format!(
