@@ -17,7 +17,13 @@ page cache left by the one before (``sync``). Printed, as GB/s medians and ratio
   ``Posix``;
 * dump until ``wait()`` returns and hot load (every block in the Cache
   tier): ``Cache|Posix`` vs the machine's memcpy of the same bytes;
-* the minor page faults taken inside each timed call.
+* the minor page faults taken inside each timed call;
+* a restarted engine whose host still holds its blocks: a fresh process
+  attaches to a shared ``/dev/shm`` Cache segment that another process keeps
+  alive with every block in it (``share_buffer_enable``), against ``Posix``
+  reading the same blocks from the page cache. This is the evidence for
+  keeping the default Cache tier private (README, "Why the cache is private
+  by default").
 
     python benches/pipeline_bench.py [--dir DIR] [--mib 256] [--shard-kib 1024] [--rounds 3]
                                      [--json FILE]
@@ -43,7 +49,9 @@ import torch
 from ucm.store import UcmConnectorFactory
 
 
-def make_store(root: Path, pipeline: str, shard: int, total: int) -> Any:
+def make_store(
+    root: Path, pipeline: str, shard: int, total: int, shared_id: str | None = None
+) -> Any:
     cfg: dict[str, Any] = {
         "store_pipeline": pipeline,
         "storage_backends": str(root),
@@ -54,6 +62,8 @@ def make_store(root: Path, pipeline: str, shard: int, total: int) -> Any:
     }
     if pipeline.startswith("Cache"):
         cfg["cache_buffer_capacity_gb"] = max(1.0, 2 * total / 2**30)
+    if shared_id:
+        cfg.update(share_buffer_enable=True, unique_id=shared_id)
     return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
 
 
@@ -89,6 +99,8 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
         out["gbps"] = total / secs / 1e9
         return out
     pipeline, _, op = case.partition(":")
+    if pipeline == "shm":
+        return shared_segment(op, root, total, shard, settle, ids, src, dst)
     store = make_store(root, pipeline, shard, total)
     # An engine opens its store seconds before the first request (model
     # load, KV cache allocation, warm-up); give both pipelines that time.
@@ -129,12 +141,43 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
     return out
 
 
-def run_child(case: str, root: Path, args: argparse.Namespace) -> dict[str, float]:
-    # Buffered writes of an earlier measurement still being flushed to the
-    # disk would slow this one's writes (dirty-page throttling) and take CPU:
-    # every measurement starts with none.
-    os.sync()
-    cmd = [
+def shared_segment(
+    op: str,
+    root: Path,
+    total: int,
+    shard: int,
+    settle: float,
+    ids: list[bytes],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+) -> dict[str, float]:
+    """``hold``: fill a shared segment and keep it alive until stdin closes.
+    ``load``: a fresh process attaches to it and loads every block twice."""
+    n = len(ids)
+    # Every child of one bench run names the same segment.
+    store = make_store(root, "Cache|Posix", shard, total, shared_id=f"pipebench{os.getppid()}")
+    out: dict[str, float] = {}
+    if op == "hold":
+        store.wait(store.dump(ids, [0] * n, rows(src, shard)))
+        store.flush()
+        print(json.dumps({"ready": 1}), flush=True)
+        sys.stdin.read()
+    else:
+        time.sleep(settle)
+        for key in ("first", "second"):
+            dst.zero_()
+            secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+            if not torch.equal(src, dst):
+                raise SystemExit(f"{key} load from the shared segment: bytes differ")
+            out.update({f"{key}_gbps": total / secs / 1e9, f"{key}_faults": faults})
+        if store.get_stats()["l1_hit_rate"] < 1.0:
+            raise SystemExit("a load from the shared segment missed it")
+    store.close()
+    return out
+
+
+def child_cmd(case: str, root: Path, args: argparse.Namespace) -> list[str]:
+    return [
         sys.executable,
         __file__,
         "--child",
@@ -148,6 +191,14 @@ def run_child(case: str, root: Path, args: argparse.Namespace) -> dict[str, floa
         "--settle",
         str(args.settle),
     ]
+
+
+def run_child(case: str, root: Path, args: argparse.Namespace) -> dict[str, float]:
+    # Buffered writes of an earlier measurement still being flushed to the
+    # disk would slow this one's writes (dirty-page throttling) and take CPU:
+    # every measurement starts with none.
+    os.sync()
+    cmd = child_cmd(case, root, args)
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -183,6 +234,7 @@ def main() -> None:
                 # A first read puts the files in the page cache for both.
                 run_child("Posix:load", Path(d), args)
                 res.setdefault(f"{pipe}:load", []).append(run_child(f"{pipe}:load", Path(d), args))
+    restart(args, res)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     mem = median(res["memcpy"], "gbps")
@@ -214,6 +266,44 @@ def main() -> None:
         f"  Cache|Posix hot load:          {hot:6.2f}  x{hot / mem:4.2f} of memcpy"
         f" ({hot_faults} faults)"
     )
+    print_restart(res)
+
+
+def restart(args: argparse.Namespace, res: dict[str, list[dict[str, float]]]) -> None:
+    """Fresh processes loading blocks a surviving shared segment holds, and
+    ``Posix`` loading the same blocks from the page cache, interleaved."""
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        root = Path(d)
+        holder = subprocess.Popen(
+            child_cmd("shm:hold", root, args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if not holder.stdout or "ready" not in holder.stdout.readline():
+                raise SystemExit("the process holding the shared segment did not start")
+            run_child("Posix:load", root, args)  # the blocks' files into the page cache
+            for _ in range(args.rounds):
+                res.setdefault("restart:posix", []).append(run_child("Posix:load", root, args))
+                res.setdefault("restart:shm", []).append(run_child("shm:load", root, args))
+        finally:
+            if holder.stdin:
+                holder.stdin.close()
+            holder.wait(timeout=60)
+
+
+def print_restart(res: dict[str, list[dict[str, float]]]) -> None:
+    posix = median(res["restart:posix"], "cold_gbps")
+    first, second = (median(res["restart:shm"], f"{k}_gbps") for k in ("first", "second"))
+    faults = int(median(res["restart:shm"], "first_faults"))
+    print("  restarted engine, blocks still on the host:")
+    print(f"    Posix from the page cache:                 {posix:6.2f}")
+    print(
+        f"    shared /dev/shm segment, first load:       {first:6.2f}  x{first / posix:4.2f}"
+        f" of Posix ({faults} faults)"
+    )
+    print(f"    shared /dev/shm segment, second load:      {second:6.2f}  x{second / posix:4.2f}")
 
 
 if __name__ == "__main__":

@@ -37,5 +37,8 @@ def test_pipeline_bench_prints_every_ratio(tmp_path: Path) -> None:
         "dump until wait()",
         "Cache|Posix second load",
         "Cache|Posix hot load",
+        "Posix from the page cache",
+        "shared /dev/shm segment, first load",
+        "shared /dev/shm segment, second load",
     ):
         assert line in out, out
