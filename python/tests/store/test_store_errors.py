@@ -207,3 +207,31 @@ def test_minimal_config_uses_defaults(tmp_path: Path) -> None:
     store.wait(store.dump([b"k" * 16], [0], [[torch.ones(SHARD, dtype=torch.uint8)]]))
     assert store.lookup([b"k" * 16]) == [True]
     store.close()
+
+
+def test_native_transfer_takes_exactly_one_form_of_memory(tmp_path: Path) -> None:
+    # The binding's one transfer entry point, below the pipeline API.
+    from ucm import _native
+
+    values = {"storage_backends": str(tmp_path), "block_size": SHARD, "shard_size": SHARD}
+    store = _native.NativeStore.open_stage("Posix", {**values, "tensor_size_list": [SHARD]}, None)
+    ids, idx = [bytes(16)], [0]
+    dst = torch.zeros(SHARD, dtype=torch.uint8)
+    segments = ([dst.data_ptr()], [SHARD], [0, 1])
+    addrs = np.array([[dst.data_ptr()]], dtype=np.uint64)
+    one_form = "give either segments, or addrs with sizes"
+    try:
+        for kwargs in (
+            {},
+            {"segments": segments, "addrs": addrs, "sizes": [SHARD]},
+            {"addrs": addrs},
+            {"segments": segments, "bounds": [(dst.data_ptr(), SHARD)]},
+        ):
+            with pytest.raises(InvalidParamError, match=one_form):
+                store.transfer("load", ids, idx, owner=dst, **kwargs)
+        with pytest.raises(InvalidParamError, match='direction must be "load" or "dump"'):
+            store.transfer("sideways", ids, idx, segments=segments, owner=dst)
+        with pytest.raises(InvalidParamError, match="a load has no prerequisite_handle"):
+            store.transfer("load", ids, idx, segments=segments, prerequisite_handle=7, owner=dst)
+    finally:
+        store.close()

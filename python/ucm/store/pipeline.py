@@ -141,11 +141,11 @@ class UcmPipelineStore(UcmKVStoreBase):
             return self._addr_transfer(
                 block_ids, shard_index, tensors.addrs, load=load, owner=tensors, bounds=bounds
             )
-        tid = self._native.transfer_segs(
+        tid = self._native.transfer(
             "load" if load else "dump",
             block_ids,
             list(shard_index),
-            pack_tensors(tensors, len(block_ids), writable=load),
+            segments=pack_tensors(tensors, len(block_ids), writable=load),
             owner=tensors,
         )
         return Task(tid)
@@ -179,15 +179,15 @@ class UcmPipelineStore(UcmKVStoreBase):
         kept alive meanwhile) it is **unchecked**, like :meth:`load_data`: the
         memory must stay allocated and unchanged until :meth:`wait` returned."""
         addrs = as_addr_matrix(addr, len(block_ids))
-        tid = self._native.transfer_addrs(
+        tid = self._native.transfer(
             "load" if load else "dump",
             block_ids,
             _indices(shard_index),
-            addrs,
-            self._col_sizes(addrs),
-            prerequisite_handle,
-            owner=owner,
+            addrs=addrs,
+            sizes=self._col_sizes(addrs),
             bounds=bounds,
+            prerequisite_handle=prerequisite_handle,
+            owner=owner,
         )
         return Task(tid)
 

@@ -412,52 +412,49 @@ impl PyStore {
         py.detach(move || store.prefetch(&ids)).py_err()
     }
 
-    /// Starts a transfer (`direction` "load" or "dump") with addresses:
-    /// `addrs` is (n, k) uint64 and column `j` is `sizes[j]` bytes. With
-    /// `bounds` (the (address, length) of the memory of each object in
-    /// `owner`), every range must lie inside one of them and `owner` is kept
-    /// alive until the task finished; without, the addresses are trusted as
-    /// they are (the raw `load_data`/`dump_data` API). A dump waits for the
+    /// Starts a transfer (`direction` "load" or "dump") of the shards named
+    /// by `block_ids` / `shard_index`, with the caller's memory in one of two
+    /// forms:
+    /// - `segments` = (pointers, lengths, row offsets): per-shard segment
+    ///   lists in CSR form, taken from the objects in `owner`;
+    /// - `addrs`, (n, k) uint64, whose column `j` is `sizes[j]` bytes. With
+    ///   `bounds` (the (address, length) of the memory of each object in
+    ///   `owner`) every range must lie inside one of them; without, the
+    ///   addresses are trusted as they are (the raw `load_data`/`dump_data`
+    ///   API).
+    ///
+    /// `owner` is kept alive until the task finished. A dump waits for the
     /// event `prerequisite_handle` (0: none) before it reads.
-    #[pyo3(signature = (direction, block_ids, shard_index, addrs, sizes, prerequisite_handle=0, owner=None, bounds=None))]
-    #[allow(clippy::too_many_arguments)] // the address matrix and its owners
-    fn transfer_addrs(
+    #[pyo3(signature = (direction, block_ids, shard_index, *, segments=None, addrs=None, sizes=None, bounds=None, prerequisite_handle=0, owner=None))]
+    #[allow(clippy::too_many_arguments)] // two forms of memory, and its owner
+    fn transfer(
         &self,
         py: Python<'_>,
         direction: &str,
         block_ids: &Bound<'_, PyAny>,
         shard_index: &Bound<'_, PyAny>,
-        addrs: &Bound<'_, PyAny>,
-        sizes: Vec<usize>,
-        prerequisite_handle: u64,
-        owner: Option<Py<PyAny>>,
+        segments: Option<(Vec<u64>, Vec<u64>, Vec<u64>)>,
+        addrs: Option<&Bound<'_, PyAny>>,
+        sizes: Option<Vec<usize>>,
         bounds: Option<Vec<(u64, u64)>>,
-    ) -> PyResult<u64> {
-        self.usable()?;
-        let dump_after = dump_after(direction, prerequisite_handle)?;
-        let shards = self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?;
-        self.submit(py, shards, dump_after, owner)
-    }
-
-    /// Starts a transfer (see `transfer_addrs`) with per-shard segment lists
-    /// in CSR form, `segments` = (pointers, lengths, row offsets), taken
-    /// from the objects in `owner`, which are kept alive until the task
-    /// finished.
-    #[pyo3(signature = (direction, block_ids, shard_index, segments, prerequisite_handle=0, owner=None))]
-    #[allow(clippy::too_many_arguments)] // the shards, their memory and its owner
-    fn transfer_segs(
-        &self,
-        py: Python<'_>,
-        direction: &str,
-        block_ids: &Bound<'_, PyAny>,
-        shard_index: &Bound<'_, PyAny>,
-        segments: (Vec<u64>, Vec<u64>, Vec<u64>),
         prerequisite_handle: u64,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
         self.usable()?;
         let dump_after = dump_after(direction, prerequisite_handle)?;
-        let shards = seg_shards(block_ids, shard_index, segments)?;
+        let shards = match (segments, addrs, sizes) {
+            (Some(segs), None, None) if bounds.is_none() => {
+                seg_shards(block_ids, shard_index, segs)?
+            }
+            (None, Some(addrs), Some(sizes)) => {
+                self.addr_shards(block_ids, shard_index, addrs, &sizes, bounds)?
+            }
+            _ => {
+                return Err(invalid(
+                    "give either segments, or addrs with sizes (and optionally bounds)",
+                ))
+            }
+        };
         self.submit(py, shards, dump_after, owner)
     }
 
@@ -541,7 +538,7 @@ fn dump_after(direction: &str, prerequisite_handle: u64) -> PyResult<Option<u64>
 }
 
 /// The shards named by `block_ids` / `shard_index`, with segments in CSR
-/// form (`transfer_segs`).
+/// form (`transfer` with `segments`).
 fn seg_shards(
     block_ids: &Bound<'_, PyAny>,
     shard_index: &Bound<'_, PyAny>,
