@@ -18,8 +18,11 @@
 //! whose host backs guest memory on first touch committed 4 GiB at about
 //! 120 MiB/s), one 64 MiB call held the lock for half a second, and a
 //! 512 MiB load that overlapped the commit took 5.8 s instead of 0.1 s. So
-//! the area is committed one huge page at a time, and not at all while a
-//! load or dump of this cache is in flight.
+//! the area is committed in short calls, and none starts while a load or
+//! dump of this cache is in flight. A call already running when a load
+//! starts still competes with it: one 2 MiB huge-page call took up to
+//! 0.32 s in that VM and halved a load that began meanwhile. So the private
+//! area uses small pages (see `region`) and a call commits [`CHUNK`] bytes.
 //!
 //! Nor is the whole area committed: only its first [`LEAD`] bytes, where
 //! slots are handed out first. An engine that caches little does not hold
@@ -36,9 +39,9 @@ use std::time::Duration;
 use super::Inner;
 use crate::error::{Result, UcmError};
 
-/// Size of one `madvise` call: one transparent huge page, so the lock is
-/// held for one page's fault at a time.
-const CHUNK: usize = 2 << 20;
+/// Size of one `madvise` call: 16 small pages, so a load arriving
+/// meanwhile waits for at most their faults.
+const CHUNK: usize = 64 << 10;
 
 /// Bytes committed at start-up: room for the KV cache of a long prompt
 /// (8k tokens of a small model are 512 MiB) and then some.
@@ -110,7 +113,7 @@ unsafe fn populate(base: *mut u8, len: usize, stop: &AtomicBool, busy: impl Fn()
             std::thread::sleep(BUSY_PAUSE);
             continue;
         }
-        // Up to the next chunk boundary, so calls cover whole huge pages.
+        // Up to the next chunk boundary, so calls cover whole chunks.
         let len = (CHUNK - at % CHUNK).min(end - at);
         // SAFETY: [at, at + len) lies inside the mapping (the data area
         // starts page-aligned in it), which the caller keeps mapped;
