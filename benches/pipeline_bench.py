@@ -22,8 +22,8 @@ page cache left by the one before (``sync``). Printed, as GB/s medians and ratio
   attaches to a shared ``/dev/shm`` Cache segment that another process keeps
   alive with every block in it (``share_buffer_enable``), against ``Posix``
   reading the same blocks from the page cache. This is the evidence for
-  keeping the default Cache tier private (README, "Why the cache is private
-  by default").
+  keeping the default Cache tier private (README, "Why the Cache tier is
+  private by default").
 
     python benches/pipeline_bench.py [--dir DIR] [--mib 256] [--shard-kib 1024] [--rounds 3]
                                      [--json FILE]
