@@ -157,6 +157,9 @@ fn evict_one(shared: &Shared, id: &super::BlockId) -> bool {
         Ok(m) if m.file_type().is_file() => Some(m.len()),
         _ => None,
     };
+    // Until the file has left the block's name, a lookup must not find it
+    // there and index the block again (see `Shared::file_moves`).
+    let _moves = shared.file_moves.lock();
     // The pool counts the file before the index lets it go: a dump checking
     // the capacity in between would otherwise see room for a create.
     let reserved = file_len.filter(|l| shared.spares.reserve(root, *l));
@@ -166,6 +169,12 @@ fn evict_one(shared: &Shared, id: &super::BlockId) -> bool {
         }
         return false;
     }
+    #[cfg(test)]
+    tests::BETWEEN_REMOVE_AND_MOVE.with(|hook| {
+        if let Some(f) = hook.borrow_mut().as_mut() {
+            f();
+        }
+    });
     // Counted with each removal, so stats never show a block gone from the
     // index but not yet counted as evicted.
     shared.counters.evictions.fetch_add(1, Ordering::Relaxed);
@@ -244,5 +253,70 @@ fn drop_abandoned_writers(shared: &Shared) {
             w.block,
             idle
         );
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+    use crate::block::{BlockId, MemSeg, ShardIo};
+    use crate::store::{PosixConfig, PosixStore, Store};
+
+    thread_local! {
+        /// Runs on the evicting thread after the block left the index and
+        /// before its file left the block's name.
+        pub(in crate::store::posix) static BETWEEN_REMOVE_AND_MOVE:
+            RefCell<Option<Box<dyn FnMut()>>> = const { RefCell::new(None) };
+    }
+
+    /// A lookup probing the block's name while an eviction moves its file
+    /// neither reports the block nor indexes it again: the index never
+    /// holds a block whose file is gone (a hit no load could serve).
+    #[test]
+    fn a_lookup_during_an_eviction_does_not_index_the_leaving_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PosixStore::open(PosixConfig {
+            storage_backends: vec![dir.path().to_path_buf()],
+            block_size: 4096,
+            shard_size: 4096,
+            tensor_size_list: vec![4096],
+            ..Default::default()
+        })
+        .unwrap();
+        let block = BlockId([7; 16]);
+        let data = vec![7u8; 4096];
+        let shard = ShardIo {
+            block,
+            index: 0,
+            segs: vec![MemSeg {
+                addr: data.as_ptr() as usize,
+                len: data.len(),
+            }],
+        };
+        store.wait(store.dump(vec![shard], 0).unwrap()).unwrap();
+        let shared = store.shared.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let prober = shared.clone();
+        BETWEEN_REMOVE_AND_MOVE.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                let (prober, tx) = (prober.clone(), tx.clone());
+                std::thread::spawn(move || {
+                    let _ = tx.send(prober.present(&block));
+                });
+                // Long enough for the lookup to probe, were it not held back.
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }))
+        });
+        assert!(evict_one(&shared, &block));
+        BETWEEN_REMOVE_AND_MOVE.with(|h| h.borrow_mut().take());
+        let found = rx.recv().unwrap();
+        assert!(!found, "the lookup reported a block whose file was leaving");
+        assert!(
+            shared.index.known_mtime(&block).is_none(),
+            "the index holds a block whose file is gone"
+        );
+        assert!(!store.lookup(&[block]).unwrap()[0]);
     }
 }

@@ -53,6 +53,7 @@ impl Shared {
                     // Not a block file (a symlink, FIFO, device, directory,
                     // a file of the wrong size): it would fail every later
                     // load, and the next dump of the block replaces it.
+                    let _moves = self.file_moves.lock();
                     self.index.remove(block);
                     self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
                     files::remove_entry(&path);
@@ -316,6 +317,7 @@ impl Shared {
             self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
             // A corrupt file would fail every later load: drop it so
             // the next dump of this block rewrites it.
+            let _moves = self.file_moves.lock();
             self.index.remove(&shard.block);
             let _ = std::fs::remove_file(self.paths.block(&shard.block));
             log::warn!("{e}; the block file was removed");

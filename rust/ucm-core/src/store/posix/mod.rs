@@ -110,6 +110,12 @@ struct Shared {
     spares: SparePool,
     /// Held while a dump refills the spare pool by evicting.
     refill_lock: Mutex<()>,
+    /// Held by an eviction from taking the block out of the index until
+    /// its file has left the block's name, and by a lookup from probing a
+    /// block's name until it has indexed what it found: otherwise a lookup
+    /// in between finds the file still there and indexes a block whose
+    /// file is about to become a spare (a hit no load can serve).
+    file_moves: Mutex<()>,
     /// Commits for the committer threads; `None` stops one.
     commits: crossbeam_channel::Sender<Option<CommitJob>>,
     /// This instance's locked work directories (None: lookup-only, or closed).
@@ -268,9 +274,12 @@ impl Shared {
             return true;
         }
         // Written by another process sharing the directory?
-        if let Some(mtime) = scan::probe(&self.paths.block(id), self.layout.file_len()) {
-            self.index.insert(*id, self.layout.file_len(), None, mtime);
-            return true;
+        {
+            let _moves = self.file_moves.lock();
+            if let Some(mtime) = scan::probe(&self.paths.block(id), self.layout.file_len()) {
+                self.index.insert(*id, self.layout.file_len(), None, mtime);
+                return true;
+            }
         }
         // Fully written, being committed by another thread right now?
         self.commit_settled(id) && self.index.touch(id)

@@ -190,6 +190,7 @@ impl Shared {
             evict_signal: (Mutex::new(evict::Signal::default()), Condvar::new()),
             spares: dirs.spares,
             refill_lock: Mutex::new(()),
+            file_moves: Mutex::new(()),
             commits,
             work: Mutex::new(dirs.work),
             cfg,
