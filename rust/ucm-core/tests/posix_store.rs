@@ -650,8 +650,14 @@ fn files_under(root: &std::path::Path) -> Vec<std::fs::Metadata> {
     let mut files = Vec::new();
     let mut dirs = vec![root.to_path_buf()];
     while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let m = e.metadata().unwrap();
+        // An entry may move or go while it is listed (see `settled`).
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let Ok(m) = e.metadata() else {
+                continue;
+            };
             if m.is_dir() {
                 dirs.push(e.path());
             } else {
@@ -662,9 +668,33 @@ fn files_under(root: &std::path::Path) -> Vec<std::fs::Metadata> {
     files
 }
 
+/// `read` repeated until two reads in a row agree. A walk of the store's
+/// directories is not atomic: a file the evictor renames from a block
+/// directory into the spare pool meanwhile can be seen twice or not at all.
+fn settled<T: PartialEq>(read: impl Fn() -> T) -> T {
+    let mut last = read();
+    loop {
+        let now = read();
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+}
+
 /// Bytes of every file under `root` (blocks and spares).
 fn disk_bytes(root: &std::path::Path) -> u64 {
-    files_under(root).iter().map(|m| m.len()).sum()
+    settled(|| {
+        let mut files: Vec<(u64, u64)> = files_under(root)
+            .iter()
+            .map(|m| (std::os::unix::fs::MetadataExt::ino(m), m.len()))
+            .collect();
+        files.sort_unstable();
+        files
+    })
+    .iter()
+    .map(|(_, len)| len)
+    .sum()
 }
 
 /// Spare files take disk space like blocks: a store with a capacity keeps
@@ -715,7 +745,7 @@ fn blocks_and_spare_files_together_stay_within_the_capacity() {
 /// Inode numbers of every file under `root` (blocks and spares).
 fn inodes(root: &std::path::Path) -> std::collections::BTreeSet<u64> {
     use std::os::unix::fs::MetadataExt;
-    files_under(root).iter().map(|m| m.ino()).collect()
+    settled(|| files_under(root).iter().map(|m| m.ino()).collect())
 }
 
 #[test]
