@@ -6,9 +6,11 @@ Cache tier's slot memory has never been touched there, so its first-touch
 page faults are part of what is measured (their count is printed). The
 block files are in the page cache for the loads ("from memory"), and the
 caller's memory is touched beforehand, like a KV cache vLLM allocated at
-start-up, and the store is opened ``--settle`` seconds (2) before the timed call, as an engine
-opens it before loading its model. Each measurement starts with no dirty
-page cache left by the one before (``sync``). Printed, as GB/s medians and ratios:
+start-up, and handed to the store as addresses inside it (``Regions``), as
+the connector does. The store is opened ``--settle`` seconds (2) before
+the timed call, as an engine opens it before loading its model. Each
+measurement starts with no dirty page cache left by the one before
+(``sync``). Printed, as GB/s medians and ratios:
 
 * cold load (nothing in the Cache tier yet): ``Cache|Posix`` vs ``Posix``;
 * the second load of the same blocks, which the default fill policy keeps
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 
 from ucm.store import UcmConnectorFactory
+from ucm.store.memory import Regions
 
 
 def make_store(
@@ -75,8 +78,13 @@ def minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def rows(buf: torch.Tensor, shard: int) -> list[list[torch.Tensor]]:
-    return [[buf[i * shard : (i + 1) * shard]] for i in range(buf.numel() // shard)]
+def rows(buf: torch.Tensor, shard: int) -> Regions:
+    """Shard ``i`` at byte ``i * shard`` of ``buf``, as addresses inside it:
+    the form the vLLM connector hands the store (no tensor view per shard,
+    whose Python objects would be timed with the store)."""
+    n = buf.numel() // shard
+    addrs = buf.data_ptr() + np.arange(n, dtype=np.uint64) * np.uint64(shard)
+    return Regions([buf], addrs.reshape(n, 1))
 
 
 def timed(fn: Any) -> tuple[float, int]:
