@@ -23,9 +23,9 @@ measurement starts with no dirty page cache left by the one before
 * a restarted engine whose host still holds its blocks: a fresh process
   attaches to a shared ``/dev/shm`` Cache segment that another process keeps
   alive with every block in it (``share_buffer_enable``), against ``Posix``
-  reading the same blocks from the page cache. This is the evidence for
-  keeping the default Cache tier private (README, "Why the Cache tier is
-  private by default").
+  reading the same blocks from the page cache: the speed side of keeping
+  the default Cache tier private (README, "Why the Cache tier is private by
+  default").
 
     python benches/pipeline_bench.py [--dir DIR] [--mib 256] [--shard-kib 1024] [--rounds 3]
                                      [--json FILE]
