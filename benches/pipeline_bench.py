@@ -64,7 +64,13 @@ def make_store(
         "timeout_ms": 0,
     }
     if pipeline.startswith("Cache"):
-        cfg["cache_buffer_capacity_gb"] = max(1.0, 2 * total / 2**30)
+        # The store's default size (4 GiB) unless every block would not fit
+        # twice. A Cache tier only twice the size of the dump starts writing
+        # back during it (more than a quarter of its slots dirty), which
+        # takes a CPU from the copies; the default size does not. A shared
+        # segment lives in /dev/shm: it gets what the blocks need.
+        need = 2 * total / 2**30
+        cfg["cache_buffer_capacity_gb"] = max(1.0, need) if shared_id else max(4.0, need)
     if shared_id:
         cfg.update(share_buffer_enable=True, unique_id=shared_id)
     return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
