@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::stats::add;
 use super::table::{Guard, READY};
-use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, LOCK_CHUNK};
+use super::{chunks_of, staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, LOCK_CHUNK};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::task::TaskId;
@@ -118,9 +118,7 @@ impl Inner {
             redirty: Vec::new(),
             evictions: 0,
         };
-        let mut it = shards.into_iter().peekable();
-        while it.peek().is_some() {
-            let chunk: Vec<ShardIo> = it.by_ref().take(LOCK_CHUNK).collect();
+        for chunk in chunks_of(shards, LOCK_CHUNK) {
             match self.table.lock() {
                 Ok(mut g) => chunk.into_iter().for_each(|s| p.plan(&mut g, s)),
                 Err(e) => {

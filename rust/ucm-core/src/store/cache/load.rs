@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::stats::add;
 use super::table::{FILLING, FREE, READY};
-use super::{staging, FillPolicy, Inner, Runtime, TaskCtx, LOCK_CHUNK};
+use super::{chunks_of, staging, FillPolicy, Inner, Runtime, TaskCtx, LOCK_CHUNK};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::AlignedBuf;
@@ -48,9 +48,7 @@ impl Inner {
         let mut plans = Vec::with_capacity(shards.len());
         let mut wanted = Vec::new();
         let mut evictions = 0;
-        let mut it = shards.into_iter().peekable();
-        while it.peek().is_some() {
-            let chunk: Vec<ShardIo> = it.by_ref().take(LOCK_CHUNK).collect();
+        for chunk in chunks_of(shards, LOCK_CHUNK) {
             let mut g = match self.table.lock() {
                 Ok(g) => g,
                 Err(e) => {

@@ -139,18 +139,18 @@ fn staging(len: usize) -> Result<AlignedBuf> {
         .map_err(|_| UcmError::OutOfMemory(format!("staging buffer of {len} bytes")))
 }
 
-/// `items` cut, in order, into pieces of `per_job` (the last may be
+/// `items` cut, in order, into pieces of `size` (the last may be
 /// shorter), moving each item once.
-fn chunks_of<T>(items: Vec<T>, per_job: usize) -> Vec<Vec<T>> {
-    let per_job = per_job.max(1);
-    let mut jobs = Vec::with_capacity(items.len().div_ceil(per_job));
+fn chunks_of<T>(items: Vec<T>, size: usize) -> Vec<Vec<T>> {
+    let size = size.max(1);
+    let mut chunks = Vec::with_capacity(items.len().div_ceil(size));
     let mut it = items.into_iter();
     loop {
-        let job: Vec<T> = it.by_ref().take(per_job).collect();
-        if job.is_empty() {
-            return jobs;
+        let chunk: Vec<T> = it.by_ref().take(size).collect();
+        if chunk.is_empty() {
+            return chunks;
         }
-        jobs.push(job);
+        chunks.push(chunk);
     }
 }
 
