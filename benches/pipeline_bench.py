@@ -84,7 +84,7 @@ def minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def rows(buf: torch.Tensor, shard: int) -> Regions:
+def regions(buf: torch.Tensor, shard: int) -> Regions:
     """Shard ``i`` at byte ``i * shard`` of ``buf``, as addresses inside it:
     the form the vLLM connector hands the store (no tensor view per shard,
     whose Python objects would be timed with the store)."""
@@ -120,15 +120,15 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
     # load, KV cache allocation, warm-up); give both pipelines that time.
     time.sleep(settle)
     if op == "seed":
-        store.wait(store.dump(ids, [0] * n, rows(src, shard)))
+        store.wait(store.dump(ids, [0] * n, regions(src, shard)))
         store.flush()
     elif op == "dump":
-        secs, faults = timed(lambda: store.wait(store.dump(ids, [0] * n, rows(src, shard))))
+        secs, faults = timed(lambda: store.wait(store.dump(ids, [0] * n, regions(src, shard))))
         persisted = secs + timed(store.flush)[0]
         out.update(wait_gbps=total / secs / 1e9, persisted_gbps=total / persisted / 1e9)
         out["faults"] = faults
     elif op == "load":
-        secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+        secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
         if not torch.equal(src, dst):
             raise SystemExit("loaded bytes differ")
         out.update(cold_gbps=total / secs / 1e9, faults=faults)
@@ -137,7 +137,7 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
             # caller on its second load; those fills run after the load, in
             # the background. Hot: every block then sits in the Cache tier.
             dst.zero_()
-            secs, _ = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+            secs, _ = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
             if not torch.equal(src, dst):
                 raise SystemExit("second-loaded bytes differ")
             out.update(second_gbps=total / secs / 1e9)
@@ -147,7 +147,9 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
                     raise SystemExit("the fills after the second load did not finish in 60 s")
                 time.sleep(0.05)
             dst.zero_()
-            secs, hot_faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+            secs, hot_faults = timed(
+                lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard)))
+            )
             if not torch.equal(src, dst):
                 raise SystemExit("hot-loaded bytes differ")
             out.update(hot_gbps=total / secs / 1e9, hot_faults=hot_faults)
@@ -172,7 +174,7 @@ def shared_segment(
     store = make_store(root, "Cache|Posix", shard, total, shared_id=f"pipebench{os.getppid()}")
     out: dict[str, float] = {}
     if op == "hold":
-        store.wait(store.dump(ids, [0] * n, rows(src, shard)))
+        store.wait(store.dump(ids, [0] * n, regions(src, shard)))
         store.flush()
         print(json.dumps({"ready": 1}), flush=True)
         sys.stdin.read()
@@ -180,7 +182,7 @@ def shared_segment(
         time.sleep(settle)
         for key in ("first", "second"):
             dst.zero_()
-            secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, rows(dst, shard))))
+            secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
             if not torch.equal(src, dst):
                 raise SystemExit(f"{key} load from the shared segment: bytes differ")
             out.update({f"{key}_gbps": total / secs / 1e9, f"{key}_faults": faults})
