@@ -825,6 +825,84 @@ fn shared_segment_is_seen_by_a_second_attacher_and_removed_by_the_last() {
     assert!(!std::path::Path::new(&path).exists(), "segment leaked");
 }
 
+/// `share_buffer_keep`: the last process to leave keeps the segment, and a
+/// process opened later serves the blocks from it, without its backend.
+#[test]
+fn a_kept_segment_outlives_its_last_process_and_serves_the_next() {
+    let u = uid("keep");
+    let kept = || CacheConfig {
+        share_buffer_keep: true,
+        write_back_policy: WriteBackPolicy::Sync,
+        ..shm_cfg(&u)
+    };
+    let a = CacheStore::open(kept(), Arc::new(MemBackend::default())).unwrap();
+    let path = a.shm_path().unwrap().to_string();
+    dump(&a, 1).unwrap();
+    dump(&a, 2).unwrap();
+    a.close().unwrap();
+    drop(a);
+    assert!(std::path::Path::new(&path).exists(), "kept segment removed");
+
+    // An empty backend: whatever the next process loads comes from the segment.
+    let backend = Arc::new(MemBackend::default());
+    let b = CacheStore::open(kept(), backend.clone()).unwrap();
+    assert_eq!(b.lookup(&[id(1), id(2), id(3)]).unwrap(), [true, true, false]);
+    load(&b, 1).unwrap();
+    load(&b, 2).unwrap();
+    assert_eq!(backend.loads.load(Ordering::SeqCst), 0, "read the backend");
+    b.close().unwrap();
+    drop(b);
+    assert!(std::path::Path::new(&path).exists());
+
+    // Without `keep`, the last one out removes it, kept blocks and all.
+    let c = CacheStore::open(shm_cfg(&u), Arc::new(MemBackend::default())).unwrap();
+    load(&c, 2).unwrap();
+    c.close().unwrap();
+    drop(c);
+    assert!(!std::path::Path::new(&path).exists(), "segment leaked");
+}
+
+#[test]
+fn share_buffer_keep_needs_a_shared_segment() {
+    let e = CacheStore::open(
+        CacheConfig {
+            share_buffer_keep: true,
+            ..cfg(32)
+        },
+        Arc::new(EmptyStore::new(1000)),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("share_buffer_keep"), "{e}");
+}
+
+/// `/dev/shm` is writable by every local user: a segment someone else
+/// could have written is refused, with its path in the message, and left
+/// alone.
+#[test]
+fn a_segment_other_users_can_open_or_own_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let u = uid("foreign");
+    let path = format!("/dev/shm/ucm_cache_{u}");
+    std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let e = CacheStore::open(shm_cfg(&u), Arc::new(EmptyStore::new(1000)))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("other users") && e.to_string().contains(&path), "{e}");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+        let e = CacheStore::open(shm_cfg(&u), Arc::new(EmptyStore::new(1000)))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("uid 65534"), "{e}");
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), vec![0u8; 1 << 20], "touched");
+    std::fs::remove_file(&path).unwrap();
+}
+
 /// Helper run in a child process: attaches, takes the table lock and
 /// hangs until killed.
 #[test]

@@ -131,6 +131,8 @@ pub struct CacheConfig {
     /// Put the cache in `/dev/shm` shared by every process with the same
     /// `unique_id`.
     pub share_buffer_enable: bool,
+    /// Leave the shared segment in place when the last process leaves it.
+    pub share_buffer_keep: bool,
     /// Commit the data area in the background from start-up.
     pub prefault: bool,
     /// Names the shared segment.
@@ -157,6 +159,7 @@ impl Default for CacheConfig {
             copy_threads: 4,
             backend_threads: 8,
             share_buffer_enable: false,
+            share_buffer_keep: false,
             prefault: true,
             unique_id: String::new(),
             timeout_ms: 30_000,
@@ -229,6 +232,7 @@ impl CacheConfig {
             copy_threads: v.usize("cache_copy_threads"),
             backend_threads: v.usize("cache_backend_threads"),
             share_buffer_enable: v.bool("share_buffer_enable"),
+            share_buffer_keep: v.bool("share_buffer_keep"),
             prefault: v.bool("cache_prefault"),
             unique_id: v.text("unique_id").to_string(),
             timeout_ms: v.u64("timeout_ms"),
@@ -327,6 +331,12 @@ impl CacheConfig {
             return Err(ConfigError::new(
                 "unique_id",
                 "required (non-empty) when share_buffer_enable is true",
+            ));
+        }
+        if self.share_buffer_keep && !self.share_buffer_enable {
+            return Err(ConfigError::new(
+                "share_buffer_keep",
+                "keeps the shared segment, so it needs share_buffer_enable: true",
             ));
         }
         Ok(())

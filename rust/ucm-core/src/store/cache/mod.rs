@@ -167,7 +167,7 @@ impl CacheStore {
         );
         let geo_slots = geo.n_slots;
         let table = if cfg.share_buffer_enable {
-            Table::shared(&cfg.unique_id, geo)?
+            Table::shared(&cfg.unique_id, geo, cfg.share_buffer_keep)?
         } else {
             Table::private(geo)?
         };

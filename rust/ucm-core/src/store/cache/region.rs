@@ -181,7 +181,44 @@ impl ShmObject {
             return Err(UcmError::os("shm_open", &self.path, e));
         }
         // SAFETY: as in `create`.
-        Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        self.check_private(std::os::fd::AsRawFd::as_raw_fd(&fd))?;
+        Ok(Some(fd))
+    }
+
+    /// Refuses an object another user owns or may open: `/dev/shm` is
+    /// writable by everyone, so anyone could create the name first and
+    /// have us serve (or overwrite) bytes they control.
+    fn check_private(&self, fd: RawFd) -> Result<()> {
+        // SAFETY: `st` is plain data fully written by fstat on success.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid descriptor and out-pointer.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(UcmError::os(
+                "fstat",
+                &self.path,
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if st.st_uid != me {
+            return Err(UcmError::InvalidParam(format!(
+                "shared cache segment {} belongs to uid {}, not to this process's user (uid \
+                 {me}); refusing memory another user controls",
+                self.path, st.st_uid
+            )));
+        }
+        if st.st_mode & 0o077 != 0 {
+            return Err(UcmError::InvalidParam(format!(
+                "shared cache segment {} may be opened by other users (mode {:o}); refusing \
+                 it: remove it (rm {}) if no process uses it",
+                self.path,
+                st.st_mode & 0o777,
+                self.path
+            )));
+        }
+        Ok(())
     }
 
     /// Removes the name (mappings stay valid until unmapped).

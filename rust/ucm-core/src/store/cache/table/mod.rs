@@ -220,6 +220,8 @@ pub struct Table {
     geo: Geometry,
     me: u32,
     shm: Option<ShmObject>,
+    /// Leave the shared segment in place when the last participant leaves.
+    keep: bool,
     detached: std::sync::atomic::AtomicBool,
 }
 
@@ -232,6 +234,7 @@ impl Table {
             geo,
             me: 0,
             shm: None,
+            keep: false,
             detached: Default::default(),
         };
         t.initialise(std::process::id() as i32)?;

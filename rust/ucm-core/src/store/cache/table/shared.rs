@@ -5,7 +5,8 @@
 //! registers; a segment whose creator died while initialising it, or whose
 //! other layout no live process uses, is unlinked and the join starts
 //! over. The last participant to leave removes the segment unless dirty
-//! data is still waiting for the backend. Dead participants are reaped
+//! data is still waiting for the backend, or the segment is kept
+//! (`share_buffer_keep`) for a process that starts later. Dead participants are reaped
 //! (their pins dropped, their half-filled slots freed, their dirty slots
 //! orphaned) whenever a participant registers or finds the lock's last
 //! holder dead.
@@ -31,12 +32,16 @@ enum Retry {
 type Attempt<T> = Result<std::result::Result<T, Retry>>;
 
 impl Table {
-    /// Creates the shared segment for `unique_id`, or attaches to it.
-    pub fn shared(unique_id: &str, geo: Geometry) -> Result<Self> {
+    /// Creates the shared segment for `unique_id`, or attaches to it;
+    /// `keep` leaves it in place when the last participant leaves.
+    pub fn shared(unique_id: &str, geo: Geometry, keep: bool) -> Result<Self> {
         let shm = ShmObject::for_id(unique_id)?;
         for _ in 0..50 {
             match Self::try_shared(&shm, &geo)? {
-                Ok(t) => return Ok(t),
+                Ok(mut t) => {
+                    t.keep = keep;
+                    return Ok(t);
+                }
                 Err(Retry::Again) => std::thread::sleep(Duration::from_millis(20)),
             }
         }
@@ -67,6 +72,7 @@ impl Table {
                 name: shm.name.clone(),
                 path: shm.path.clone(),
             }),
+            keep: false,
             detached: Default::default(),
         })
     }
@@ -215,8 +221,8 @@ impl Table {
 
     /// Leaves a shared segment: drops our pins, orphans our dirty slots
     /// (a live participant adopts them) and, if we were the last live
-    /// participant and nothing is dirty, removes the segment. Idempotent;
-    /// a no-op in private mode.
+    /// participant, nothing is dirty and the segment is not kept, removes
+    /// it. Idempotent; a no-op in private mode.
     pub fn detach(&self) {
         if self.detached.swap(true, Ordering::AcqRel) {
             return;
@@ -232,7 +238,13 @@ impl Table {
         };
         let dirty = g.leave();
         let live = g.live_participants();
-        if live == 0 && dirty == 0 {
+        if live == 0 && dirty == 0 && self.keep {
+            log::info!(
+                "last participant left; kept shared cache segment {} for the next process \
+                 (share_buffer_keep)",
+                shm.path
+            );
+        } else if live == 0 && dirty == 0 {
             g.shared.unlinked = 1;
             shm.unlink();
             log::info!(
