@@ -232,6 +232,13 @@ impl ShmObject {
 /// memory right now (`mincore`). Reads only the page tables: a range that
 /// is not mapped is an error, never a memory access.
 pub fn resident_bytes(addr: *const u8, len: usize) -> Result<usize> {
+    Ok(resident_runs(addr, len)?.iter().map(|r| r.1).sum())
+}
+
+/// The runs `(offset from the first page, length)` of pages spanning
+/// `[addr, addr + len)` that are backed by memory (`mincore`). For a shared
+/// segment that counts pages another process wrote, mapped here or not.
+pub fn resident_runs(addr: *const u8, len: usize) -> Result<Vec<(usize, usize)>> {
     let page = 4096usize;
     let start = addr as usize & !(page - 1);
     let span = addr as usize + len - start;
@@ -246,7 +253,17 @@ pub fn resident_bytes(addr: *const u8, len: usize) -> Result<usize> {
             std::io::Error::last_os_error(),
         ));
     }
-    Ok(vec.iter().filter(|b| *b & 1 == 1).count() * page)
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (i, b) in vec.iter().enumerate() {
+        if b & 1 == 0 {
+            continue;
+        }
+        match runs.last_mut() {
+            Some((off, n)) if *off + *n == i * page => *n += page,
+            _ => runs.push((i * page, page)),
+        }
+    }
+    Ok(runs)
 }
 
 /// Size of the object behind `fd`.
