@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -134,6 +135,28 @@ def test_store_key_errors_name_their_source(tmp_path: Path) -> None:
     r = resolve_config({"UCM_CONFIG_FILE": str(y)}, env={})
     with pytest.raises(ConfigError, match=f"io_threads.*YAML {y}"):
         build_store_config(r.store, keys, device_id=0)
+
+
+def test_a_shared_cache_gets_a_stable_segment_name_per_store_and_layout(tmp_path: Path) -> None:
+    keys = {"block_size": 8192, "shard_size": 4096, "tensor_size_list": [4096]}
+
+    def unique_id(extra: dict[str, Any], layout: dict[str, Any] = keys) -> str | None:
+        r = resolve_config(
+            {"store_pipeline": "Cache|Posix", "storage_backends": str(tmp_path), **extra}, env={}
+        )
+        return build_store_config(r.store, layout, device_id=0).get("unique_id")
+
+    shared = {"share_buffer_enable": True, "share_buffer_keep": True}
+    first = unique_id(shared)
+    assert first and first == unique_id(shared), "not stable across restarts"
+    assert first != unique_id(shared, {**keys, "block_size": 16384}), "layouts share a name"
+    r = resolve_config(
+        {"store_pipeline": "Cache|Posix", "storage_backends": str(tmp_path / "b"), **shared},
+        env={},
+    )
+    assert build_store_config(r.store, keys, device_id=0)["unique_id"] != first
+    assert unique_id({**shared, "unique_id": "mine"}) == "mine"
+    assert not unique_id({}), "a private cache got a segment name"
 
 
 def test_default_keys_dropped_for_other_pipelines() -> None:

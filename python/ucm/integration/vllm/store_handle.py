@@ -10,6 +10,7 @@ the exception: they are raised at start-up.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from typing import Any
@@ -52,6 +53,21 @@ def lookup_only(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _on(value: Any) -> bool:
+    return value is True or str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def shared_cache_id(cfg: dict[str, Any]) -> str:
+    """A name for the shared Cache segment of this store and KV layout, the
+    same after a restart: engines (and ranks) over the same directories and
+    block shape meet in one segment, and a kept one is found again."""
+    key = "|".join(
+        str(cfg.get(k, ""))
+        for k in ("store_pipeline", "storage_backends", "block_size", "shard_size")
+    )
+    return "vllm-" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
 def build_store_config(
     spec: StoreSpec, layout_keys: dict[str, Any], device_id: int
 ) -> dict[str, Any]:
@@ -60,6 +76,8 @@ def build_store_config(
     cfg = dict(spec.config)
     cfg.update(layout_keys)
     cfg["device_id"] = device_id
+    if _on(cfg.get("share_buffer_enable")) and not str(cfg.get("unique_id") or "").strip():
+        cfg["unique_id"] = shared_cache_id(cfg)
     if spec.name == "UcmPipelineStore" and device_id < 0:
         cfg = lookup_only(cfg)
     if spec.name == "UcmPipelineStore":
