@@ -233,6 +233,58 @@ def test_blocks_only_in_the_workers_cache_are_hits(
     assert len(block_files(store)) == full_blocks(prompt)
 
 
+def test_a_restarted_engine_loads_from_a_kept_segment(
+    world: dict[str, Any], engines: Any, tmp_path: Path
+) -> None:
+    """``share_buffer_keep``: the Cache segment outlives the engine that
+    filled it, under a name the connector derives, and the next engine
+    serves the blocks from it. Every block file is corrupted in between: a
+    load that read them would fail its checksum and be recomputed."""
+    if not world["cache_posix"]:
+        pytest.skip("this build has no Cache stage")
+    store = tmp_path / "kept-store"
+    cfg = {
+        "storage_backends": str(store),
+        "store_pipeline": "Cache|Posix",
+        "cache_buffer_capacity_gb": 0.25,
+        "share_buffer_enable": True,
+        "share_buffer_keep": True,
+    }
+    prompt = world["prompts"]["c_new"]
+    shm = Path("/dev/shm")
+    before = set(shm.glob("ucm_cache_vllm-*"))
+    try:
+        first = engines("K1", {"model": world["model"], "ucm": cfg})
+        assert first.generate(prompt, MAX_TOKENS)["tokens"] == world["ref"]["c_new"]
+        first.close()  # flushes: every block is in Posix as well
+        kept = [
+            Path(line.split("kept shared cache segment ")[1].split()[0])
+            for line in first.log_text().splitlines()
+            if "kept shared cache segment " in line
+        ]
+        assert kept and kept[0] in set(shm.glob("ucm_cache_vllm-*")) - before, first.log_tail()
+        files = block_files(store)
+        assert len(files) == full_blocks(prompt)
+        for f in files:
+            with open(f, "r+b") as fh:
+                fh.seek(4096 + 1000)
+                data = fh.read(64)
+                fh.seek(4096 + 1000)
+                fh.write(bytes(x ^ 0x5A for x in data))
+        second = engines("K2", {"model": world["model"], "ucm": cfg})
+        out = second.generate(prompt, MAX_TOKENS)
+        assert out["tokens"] == world["ref"]["c_new"]
+        assert out["cached"] == [full_blocks(prompt) * BS]
+        m = second.metrics()
+        assert m["ucm_load_blocks_total"] == full_blocks(prompt)
+        assert m.get("ucm_load_failed_blocks_total", 0) == 0, "read the corrupted files"
+        second.close()
+        assert kept[0].exists(), "the kept segment went with the second engine"
+    finally:
+        for leftover in set(shm.glob("ucm_cache_vllm-*")) - before:
+            leftover.unlink(missing_ok=True)
+
+
 # -- the store made unwritable mid-run ------------------------------------------
 
 

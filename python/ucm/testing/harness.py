@@ -167,7 +167,8 @@ class EngineProcess:
         return out
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # after close() too: what the engine logged last
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, n: int = 60) -> str:
