@@ -20,12 +20,12 @@ measurement starts with no dirty page cache left by the one before
 * dump until ``wait()`` returns and hot load (every block in the Cache
   tier): ``Cache|Posix`` vs the machine's memcpy of the same bytes;
 * the minor page faults taken inside each timed call;
-* a restarted engine whose host still holds its blocks: a fresh process
-  attaches to a shared ``/dev/shm`` Cache segment that another process keeps
-  alive with every block in it (``share_buffer_enable``), against ``Posix``
-  reading the same blocks from the page cache: the speed side of keeping
-  the default Cache tier private (README, "Why the Cache tier is private by
-  default").
+* a restarted engine whose host still holds its blocks: a process fills a
+  shared ``/dev/shm`` Cache segment that outlives it (``share_buffer_keep``)
+  and exits; fresh processes attach to it alone and load every block,
+  against ``Posix`` reading the same blocks from the page cache: the speed
+  side of keeping the default Cache tier private (README, "Why the Cache
+  tier is private by default").
 
     python benches/pipeline_bench.py [--dir DIR] [--mib 256] [--shard-kib 1024] [--rounds 3]
                                      [--json FILE]
@@ -72,7 +72,7 @@ def make_store(
         need = 2 * total / 2**30
         cfg["cache_buffer_capacity_gb"] = max(1.0, need) if shared_id else max(4.0, need)
     if shared_id:
-        cfg.update(share_buffer_enable=True, unique_id=shared_id)
+        cfg.update(share_buffer_enable=True, share_buffer_keep=True, unique_id=shared_id)
     return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
 
 
@@ -167,17 +167,14 @@ def shared_segment(
     src: torch.Tensor,
     dst: torch.Tensor,
 ) -> dict[str, float]:
-    """``hold``: fill a shared segment and keep it alive until stdin closes.
-    ``load``: a fresh process attaches to it and loads every block twice."""
+    """``fill``: fill a kept shared segment, then exit. ``load``: a fresh
+    process attaches to it, alone, and loads every block twice."""
     n = len(ids)
-    # Every child of one bench run names the same segment.
-    store = make_store(root, "Cache|Posix", shard, total, shared_id=f"pipebench{os.getppid()}")
+    store = make_store(root, "Cache|Posix", shard, total, shared_id=segment_id(os.getppid()))
     out: dict[str, float] = {}
-    if op == "hold":
+    if op == "fill":
         store.wait(store.dump(ids, [0] * n, regions(src, shard)))
         store.flush()
-        print(json.dumps({"ready": 1}), flush=True)
-        sys.stdin.read()
     else:
         time.sleep(settle)
         for key in ("first", "second"):
@@ -190,6 +187,11 @@ def shared_segment(
             raise SystemExit("a load from the shared segment missed it")
     store.close()
     return out
+
+
+def segment_id(bench_pid: int) -> str:
+    """Every child of one bench run names the same segment."""
+    return f"pipebench{bench_pid}"
 
 
 def child_cmd(case: str, root: Path, args: argparse.Namespace) -> list[str]:
@@ -286,27 +288,19 @@ def main() -> None:
 
 
 def restart(args: argparse.Namespace, res: dict[str, list[dict[str, float]]]) -> None:
-    """Fresh processes loading blocks a surviving shared segment holds, and
-    ``Posix`` loading the same blocks from the page cache, interleaved."""
+    """Fresh processes loading blocks a kept shared segment holds (its
+    filler gone), and ``Posix`` loading the same blocks from the page cache,
+    interleaved."""
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         root = Path(d)
-        holder = subprocess.Popen(
-            child_cmd("shm:hold", root, args),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
         try:
-            if not holder.stdout or "ready" not in holder.stdout.readline():
-                raise SystemExit("the process holding the shared segment did not start")
+            run_child("shm:fill", root, args)
             run_child("Posix:load", root, args)  # the blocks' files into the page cache
             for _ in range(args.rounds):
                 res.setdefault("restart:posix", []).append(run_child("Posix:load", root, args))
                 res.setdefault("restart:shm", []).append(run_child("shm:load", root, args))
         finally:
-            if holder.stdin:
-                holder.stdin.close()
-            holder.wait(timeout=60)
+            Path(f"/dev/shm/ucm_cache_{segment_id(os.getpid())}").unlink(missing_ok=True)
 
 
 def print_restart(res: dict[str, list[dict[str, float]]]) -> None:
@@ -316,10 +310,10 @@ def print_restart(res: dict[str, list[dict[str, float]]]) -> None:
     print("  restarted engine, blocks still on the host:")
     print(f"    Posix from the page cache:                 {posix:6.2f}")
     print(
-        f"    shared /dev/shm segment, first load:       {first:6.2f}  x{first / posix:4.2f}"
+        f"    kept /dev/shm segment, first load:         {first:6.2f}  x{first / posix:4.2f}"
         f" of Posix ({faults} faults)"
     )
-    print(f"    shared /dev/shm segment, second load:      {second:6.2f}  x{second / posix:4.2f}")
+    print(f"    kept /dev/shm segment, second load:        {second:6.2f}  x{second / posix:4.2f}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,12 @@ with the page-cache read bandwidth instead (what a fresh engine's load from
 the page cache cannot beat: the kernel copies every byte out of it). The raw
 O_DIRECT read bandwidth of the store's disk and the page-cache read bandwidth
 are printed too. Loads are measured for each of ``--pipelines`` (the default pipeline,
-``Cache|Posix``, and ``Posix`` alone) and each of ``--modes``. Targets:
+``Cache|Posix``, and ``Posix`` alone) and each of ``--modes``. A pipeline
+named with `` kept`` after it (``"Cache|Posix kept"``) puts its Cache tier in
+a shared segment that outlives its last process (``share_buffer_keep``): the
+saving engine then saves through that segment, and a fresh engine finds the
+blocks in it, as an engine restarted on the same host would (no ``UCM disk``
+for it: the segment holds the blocks whatever the page cache does). Targets:
 ``UCM mem`` <= 1.0 x ``vllm hit`` and <= 1.15 x ``floor``; ``ucm miss`` <=
 1.03 x ``recompute`` (also given in CPU time of the engine process, which
 other load on a shared machine disturbs much less than wall time). Prefill
@@ -82,6 +87,14 @@ BENCH_SPEC = TinyModelSpec(
 )
 KV_BYTES_PER_TOKEN = 2 * BENCH_SPEC.kv_heads * BENCH_SPEC.head_dim * 4 * BENCH_SPEC.layers
 BLOCK = 32
+
+
+def split_label(label: str) -> tuple[str, bool]:
+    """``"Cache|Posix kept"`` -> (``"Cache|Posix"``, kept in /dev/shm)."""
+    pipeline, _, kept = label.strip().partition(" ")
+    if kept not in ("", "kept"):
+        raise SystemExit(f"--pipelines {label!r}: only ' kept' may follow the pipeline")
+    return pipeline, kept == "kept"
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -291,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "--pipelines",
         nargs="+",
         default=["Cache|Posix", "Posix"],
-        help="store pipelines to load with (the first one also saves)",
+        help="store pipelines to load with (the first one also saves, or the first one "
+        "ending in ' kept': a Cache tier kept in /dev/shm after its last process)",
     )
     ap.add_argument("--io-direct", action="store_true", help="O_DIRECT store I/O")
     ap.add_argument("--no-disk", action="store_true", help="skip the loads from a cold disk")
@@ -349,12 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     modes = args.modes
 
-    def ucm_config(pipeline: str, mode: str) -> dict[str, Any]:
+    segment = f"ttft-{os.getpid()}"
+
+    def ucm_config(label: str, mode: str) -> dict[str, Any]:
+        pipeline, kept = split_label(label)
         cfg: dict[str, Any] = {
             "storage_backends": str(store),
             "store_pipeline": pipeline,
             "use_layerwise": mode == "layerwise",
         }
+        if kept:
+            cfg.update(share_buffer_enable=True, share_buffer_keep=True, unique_id=segment)
         if args.io_direct:
             cfg["io_direct"] = True
         return cfg
@@ -403,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     #    so exactly one token is computed at full context, which is what a
     #    load from UCM computes too.
     plain = engine("no-connector", None)
-    saver = engine("ucm-save", ucm_config(args.pipelines[0], "wholestep"))
+    kept = [p for p in args.pipelines if split_label(p)[1]]
+    saver = engine("ucm-save", ucm_config((kept or args.pipelines)[0], "wholestep"))
     for n in args.lengths:
         for i, p in enumerate(prompts[n]):
             order = [(plain, "recompute"), (saver, "ucm_miss")]
@@ -442,11 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     wheres = ("mem",) if args.no_disk else ("mem", "disk")
     for pipe in args.pipelines:
         for mode in modes:
-            for where in wheres:
+            for where in wheres if not split_label(pipe)[1] else ("mem",):
                 for rep in range(args.repeat):
-                    e = engine(
-                        f"ucm-{pipe.replace('|', '+')}-{where}-{mode}-{rep}", ucm_config(pipe, mode)
-                    )
+                    tag = pipe.replace("|", "+").replace(" ", "-")
+                    e = engine(f"ucm-{tag}-{where}-{mode}-{rep}", ucm_config(pipe, mode))
                     if where == "disk":
                         gib = evict_page_cache(store) / 2**30
                         print(f"evicted {gib:.2f} GiB of store files from the page cache")
@@ -501,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         for pipe in args.pipelines:
             for mode in modes:
                 mem, mem_hit = r[f"{pipe}/mem_{mode}"], r[f"{pipe}/mem_{mode}_hit"]
-                if args.no_disk:
+                if f"{pipe}/disk_{mode}" not in r:
                     disk_cells = "| — | — | — "
                 else:
                     disk, disk_hit = r[f"{pipe}/disk_{mode}"], r[f"{pipe}/disk_{mode}_hit"]
@@ -564,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     shutil.rmtree(store, ignore_errors=True)
+    Path(f"/dev/shm/ucm_cache_{segment}").unlink(missing_ok=True)
     return 0
 
 
