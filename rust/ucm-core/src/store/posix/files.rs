@@ -395,6 +395,33 @@ mod tests {
         assert_ne!(random_token(), random_token());
     }
 
+    /// A page just written is cached; one past the end never is; one
+    /// dropped from the page cache is not (where the file system drops it).
+    #[test]
+    fn page_cached_tells_cached_pages_from_the_rest() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("f");
+        std::fs::write(&path, vec![7u8; 64 << 10]).unwrap();
+        let f = File::open(&path).unwrap();
+        assert!(page_cached(&f, 0) && page_cached(&f, (64 << 10) - 1));
+        assert!(!page_cached(&f, 64 << 10));
+        f.sync_all().unwrap();
+        // SAFETY: plain syscalls on an open descriptor.
+        let dropped = unsafe {
+            libc::fdatasync(f.as_raw_fd());
+            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0
+        };
+        // SAFETY: `statfs` is plain data, fully written by the call below.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        let c = CString::new(d.path().as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: valid path and out-pointer.
+        let tmpfs = unsafe { libc::statfs(c.as_ptr(), &mut fs) } == 0
+            && fs.f_type == libc::TMPFS_MAGIC;
+        if dropped && !tmpfs {
+            assert!(!page_cached(&f, 0), "a dropped page reads as cached");
+        }
+    }
+
     #[test]
     fn reads_only_regular_files_of_the_block_length() {
         let d = tempfile::tempdir().unwrap();
@@ -431,4 +458,27 @@ mod tests {
         remove_entry(&spare);
         assert!(good.exists() && !spare.exists());
     }
+}
+
+/// True when the page at `offset` of `file` is in the page cache: a
+/// 4 KiB read that may not wait for the disk (`RWF_NOWAIT`) got it all.
+/// False on any error, including kernels without the flag.
+pub fn page_cached(file: &File, offset: u64) -> bool {
+    let mut page = [0u8; 4096];
+    let iov = libc::iovec {
+        iov_base: page.as_mut_ptr().cast(),
+        iov_len: page.len(),
+    };
+    // SAFETY: one iovec over `page`, which lives for the call; the fd is
+    // open for as long as `file` is borrowed.
+    let n = unsafe {
+        libc::preadv2(
+            std::os::fd::AsRawFd::as_raw_fd(file),
+            &iov,
+            1,
+            (offset & !4095) as libc::off_t,
+            libc::RWF_NOWAIT,
+        )
+    };
+    n == page.len() as isize
 }
