@@ -846,7 +846,10 @@ fn a_kept_segment_outlives_its_last_process_and_serves_the_next() {
     // An empty backend: whatever the next process loads comes from the segment.
     let backend = Arc::new(MemBackend::default());
     let b = CacheStore::open(kept(), backend.clone()).unwrap();
-    assert_eq!(b.lookup(&[id(1), id(2), id(3)]).unwrap(), [true, true, false]);
+    assert_eq!(
+        b.lookup(&[id(1), id(2), id(3)]).unwrap(),
+        [true, true, false]
+    );
     load(&b, 1).unwrap();
     load(&b, 2).unwrap();
     assert_eq!(backend.loads.load(Ordering::SeqCst), 0, "read the backend");
@@ -889,7 +892,10 @@ fn a_segment_other_users_can_open_or_own_is_refused() {
     let e = CacheStore::open(shm_cfg(&u), Arc::new(EmptyStore::new(1000)))
         .err()
         .unwrap();
-    assert!(e.to_string().contains("other users") && e.to_string().contains(&path), "{e}");
+    assert!(
+        e.to_string().contains("other users") && e.to_string().contains(&path),
+        "{e}"
+    );
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();

@@ -248,7 +248,11 @@ mod tests {
         }
         // SAFETY: `reader` outlives the call.
         unsafe { map_resident(reader.base(), len, &stop, || false) };
-        assert_eq!(rss_kib(reader.base()), 1024 + 4, "mapped other pages than the data");
+        assert_eq!(
+            rss_kib(reader.base()),
+            1024 + 4,
+            "mapped other pages than the data"
+        );
         assert_eq!(
             resident_bytes(reader.base(), len).unwrap(),
             (1 << 20) + 4096,

@@ -366,6 +366,29 @@ pub(crate) fn temp_paths() -> (tempfile::TempDir, Paths) {
     (d, paths)
 }
 
+/// True when the page at `offset` of `file` is in the page cache: a
+/// 4 KiB read that may not wait for the disk (`RWF_NOWAIT`) got it all.
+/// False on any error, including kernels without the flag.
+pub fn page_cached(file: &File, offset: u64) -> bool {
+    let mut page = [0u8; 4096];
+    let iov = libc::iovec {
+        iov_base: page.as_mut_ptr().cast(),
+        iov_len: page.len(),
+    };
+    // SAFETY: one iovec over `page`, which lives for the call; the fd is
+    // open for as long as `file` is borrowed.
+    let n = unsafe {
+        libc::preadv2(
+            std::os::fd::AsRawFd::as_raw_fd(file),
+            &iov,
+            1,
+            (offset & !4095) as libc::off_t,
+            libc::RWF_NOWAIT,
+        )
+    };
+    n == page.len() as isize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -415,8 +438,8 @@ mod tests {
         let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
         let c = CString::new(d.path().as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: valid path and out-pointer.
-        let tmpfs = unsafe { libc::statfs(c.as_ptr(), &mut fs) } == 0
-            && fs.f_type == libc::TMPFS_MAGIC;
+        let tmpfs =
+            unsafe { libc::statfs(c.as_ptr(), &mut fs) } == 0 && fs.f_type == libc::TMPFS_MAGIC;
         if dropped && !tmpfs {
             assert!(!page_cached(&f, 0), "a dropped page reads as cached");
         }
@@ -458,27 +481,4 @@ mod tests {
         remove_entry(&spare);
         assert!(good.exists() && !spare.exists());
     }
-}
-
-/// True when the page at `offset` of `file` is in the page cache: a
-/// 4 KiB read that may not wait for the disk (`RWF_NOWAIT`) got it all.
-/// False on any error, including kernels without the flag.
-pub fn page_cached(file: &File, offset: u64) -> bool {
-    let mut page = [0u8; 4096];
-    let iov = libc::iovec {
-        iov_base: page.as_mut_ptr().cast(),
-        iov_len: page.len(),
-    };
-    // SAFETY: one iovec over `page`, which lives for the call; the fd is
-    // open for as long as `file` is borrowed.
-    let n = unsafe {
-        libc::preadv2(
-            std::os::fd::AsRawFd::as_raw_fd(file),
-            &iov,
-            1,
-            (offset & !4095) as libc::off_t,
-            libc::RWF_NOWAIT,
-        )
-    };
-    n == page.len() as isize
 }
