@@ -157,3 +157,53 @@ def test_participant_killed_holding_the_lock(tmp_path: Path, uid: str) -> None:
     posix = UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(tmp_path))
     assert posix.lookup([bid(1), bid(2), bid(5)]) == [True] * 3, "orphaned dirty data lost"
     posix.close()
+
+
+SMALL_SHM = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = {path!r}
+    from test_cache_shared import shared_cfg, put, bid
+    from pathlib import Path
+    from ucm.store import NoSpaceError, UcmConnectorFactory
+
+    cfg = json.loads(sys.argv[1])
+    # Another program's 6 MiB: 2 MiB of this 8 MiB /dev/shm stay free.
+    Path("/dev/shm/filler").write_bytes(b"x" * (6 << 20))
+    try:
+        store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+    except NoSpaceError as e:
+        print("REFUSED", e, flush=True)
+        sys.exit(0)
+    for n in range(16):  # fills the 4 MiB cache: a write into a page /dev/shm can't give dies
+        put(store, bid(n))
+    print("FILLED", flush=True)
+    """
+).format(path=CHILD_PATH)
+
+
+def test_a_segment_too_big_for_the_free_shm_is_refused_at_start(tmp_path: Path, uid: str) -> None:
+    """A shared segment is sparse: its pages come out of ``/dev/shm`` when
+    first written, and a write that finds it full is a SIGBUS. Opening one
+    that the free space can't hold must fail then, naming the segment,
+    instead of killing the process once the cache fills."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small /dev/shm needs root")
+    cfg = shared_cfg(tmp_path, uid, cache_buffer_capacity_gb=4 / 1024)
+    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$0" "$@"'
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+    try:
+        probe = subprocess.run([*argv, "true"], capture_output=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here: {probe.stderr.decode()[-300:]}")
+    child = subprocess.run(
+        [*argv, sys.executable, "-c", SMALL_SHM, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+    assert "REFUSED" in child.stdout, child.stdout
+    assert f"/dev/shm/ucm_cache_{uid}" in child.stdout and "MiB free" in child.stdout

@@ -166,6 +166,10 @@ impl ShmObject {
             self.unlink();
             return Err(UcmError::os("ftruncate", &self.path, e));
         }
+        if let Err(e) = self.check_room(std::os::fd::AsRawFd::as_raw_fd(&fd)) {
+            self.unlink();
+            return Err(e);
+        }
         Ok(Some(fd))
     }
 
@@ -183,7 +187,50 @@ impl ShmObject {
         // SAFETY: as in `create`.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         self.check_private(std::os::fd::AsRawFd::as_raw_fd(&fd))?;
+        self.check_room(std::os::fd::AsRawFd::as_raw_fd(&fd))?;
         Ok(Some(fd))
+    }
+
+    /// Refuses a segment whose pages not yet allocated would not fit in
+    /// the free space of its file system. The segment is sparse: a page is
+    /// taken from `/dev/shm` when first written, and a write that finds it
+    /// full is a SIGBUS, which kills the process long after start-up (kept
+    /// segments of other deployments are what usually fill it). Reserving
+    /// the whole segment instead (`fallocate`) would commit all of its
+    /// memory at start-up. Space taken by other programs later can still
+    /// run out; this catches the state the host is in when the engine starts.
+    fn check_room(&self, fd: RawFd) -> Result<()> {
+        let os =
+            |call: &'static str| UcmError::os(call, &self.path, std::io::Error::last_os_error());
+        // SAFETY: plain data, for which all zeroes is a valid value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is a valid descriptor the caller owns; `st` is a
+        // valid out-pointer for the call.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(os("fstat"));
+        }
+        // SAFETY: plain data, for which all zeroes is a valid value.
+        let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as for `fstat`.
+        if unsafe { libc::fstatvfs(fd, &mut fs) } != 0 {
+            return Err(os("fstatvfs"));
+        }
+        let allocated = (st.st_blocks as u64).saturating_mul(512);
+        let needed = (st.st_size as u64).saturating_sub(allocated);
+        let free = (fs.f_bavail as u64).saturating_mul(fs.f_frsize as u64);
+        if needed > free {
+            const MIB: u64 = 1 << 20;
+            return Err(UcmError::NoSpace(format!(
+                "shared cache segment {} needs {} MiB more of its file system, which has {} \
+                 MiB free: the process would crash (SIGBUS) once the cache filled; remove \
+                 segments no process uses (ls -l /dev/shm/ucm_cache_*) or lower \
+                 cache_buffer_capacity_gb",
+                self.path,
+                needed.div_ceil(MIB),
+                free / MIB
+            )));
+        }
+        Ok(())
     }
 
     /// Refuses an object another user owns or may open: `/dev/shm` is
