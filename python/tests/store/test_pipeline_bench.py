@@ -38,7 +38,7 @@ def test_pipeline_bench_prints_every_ratio(tmp_path: Path) -> None:
         "Cache|Posix second load",
         "Cache|Posix hot load",
         "Posix from the page cache",
-        "shared /dev/shm segment, first load",
-        "shared /dev/shm segment, second load",
+        "kept /dev/shm segment, first load",
+        "kept /dev/shm segment, second load",
     ):
         assert line in out, out

@@ -212,14 +212,7 @@ mod tests {
     /// `Rss` of the mapping starting at `base`, from smaps: the pages this
     /// process has mapped, not those the segment holds.
     fn rss_kib(base: *mut u8) -> u64 {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let start = format!("{:x}-", base as usize);
-        smaps
-            .lines()
-            .skip_while(|l| !l.starts_with(&start))
-            .find_map(|l| l.strip_prefix("Rss:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap()
+        crate::store::cache::region::smaps_kib(base, "Rss").unwrap()
     }
 
     /// A second mapping of a segment (a process attaching later) maps in

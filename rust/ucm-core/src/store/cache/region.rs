@@ -350,20 +350,28 @@ pub fn process_alive(pid: i32, start: u64) -> bool {
     }
 }
 
+/// The `field` line (in kB) of the mapping starting at `base`, from
+/// `/proc/self/smaps`: the first such line after the mapping's header is
+/// its own.
+#[cfg(test)]
+pub(crate) fn smaps_kib(base: *mut u8, field: &str) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let start = format!("{:x}-", base as usize);
+    let prefix = format!("{field}:");
+    smaps
+        .lines()
+        .skip_while(|l| !l.starts_with(&start))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// `AnonHugePages` of the mapping starting at `base`, from smaps.
     fn anon_huge_kib(base: *mut u8) -> Option<u64> {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-        let start = format!("{:x}-", base as usize);
-        // The first such line after the mapping's header is its own.
-        smaps
-            .lines()
-            .skip_while(|l| !l.starts_with(&start))
-            .find_map(|l| l.strip_prefix("AnonHugePages:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        smaps_kib(base, "AnonHugePages")
     }
 
     #[test]
