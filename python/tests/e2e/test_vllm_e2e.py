@@ -206,6 +206,16 @@ def test_whole_step_engine_reads_layerwise_blocks(world: dict[str, Any], engines
         pytest.skip("this build has no Cache stage: ran on Posix only")
 
 
+def small_cache_cfg(store: Path, **kw: Any) -> dict[str, Any]:
+    """A ``Cache|Posix`` store at ``store`` with a 256 MiB Cache tier."""
+    return {
+        "storage_backends": str(store),
+        "store_pipeline": "Cache|Posix",
+        "cache_buffer_capacity_gb": 0.25,
+        **kw,
+    }
+
+
 def test_blocks_only_in_the_workers_cache_are_hits(
     world: dict[str, Any], engines: Any, tmp_path: Path
 ) -> None:
@@ -214,13 +224,7 @@ def test_blocks_only_in_the_workers_cache_are_hits(
     if not world["cache_posix"]:
         pytest.skip("this build has no Cache stage")
     store = tmp_path / "wb-store"
-    cfg = {
-        "storage_backends": str(store),
-        "store_pipeline": "Cache|Posix",
-        "cache_buffer_capacity_gb": 0.25,
-        "write_back_interval": 600,
-        "write_back_batch_size": 4096,
-    }
+    cfg = small_cache_cfg(store, write_back_interval=600, write_back_batch_size=4096)
     e = engines("E", {"model": world["model"], "ucm": cfg, "llm": {"enable_prefix_caching": False}})
     prompt = world["prompts"]["c_new"]
     first = e.generate(prompt, MAX_TOKENS)
@@ -243,13 +247,7 @@ def test_a_restarted_engine_loads_from_a_kept_segment(
     if not world["cache_posix"]:
         pytest.skip("this build has no Cache stage")
     store = tmp_path / "kept-store"
-    cfg = {
-        "storage_backends": str(store),
-        "store_pipeline": "Cache|Posix",
-        "cache_buffer_capacity_gb": 0.25,
-        "share_buffer_enable": True,
-        "share_buffer_keep": True,
-    }
+    cfg = small_cache_cfg(store, share_buffer_enable=True, share_buffer_keep=True)
     prompt = world["prompts"]["c_new"]
     shm = Path("/dev/shm")
     before = set(shm.glob("ucm_cache_vllm-*"))
