@@ -166,7 +166,8 @@ impl ShmObject {
             self.unlink();
             return Err(UcmError::os("ftruncate", &self.path, e));
         }
-        if let Err(e) = self.check_room(std::os::fd::AsRawFd::as_raw_fd(&fd)) {
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        if let Err(e) = fstat(raw, &self.path).and_then(|st| self.check_room(raw, &st)) {
             self.unlink();
             return Err(e);
         }
@@ -186,8 +187,10 @@ impl ShmObject {
         }
         // SAFETY: as in `create`.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        self.check_private(std::os::fd::AsRawFd::as_raw_fd(&fd))?;
-        self.check_room(std::os::fd::AsRawFd::as_raw_fd(&fd))?;
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        let st = fstat(raw, &self.path)?;
+        self.check_private(&st)?;
+        self.check_room(raw, &st)?;
         Ok(Some(fd))
     }
 
@@ -199,21 +202,18 @@ impl ShmObject {
     /// the whole segment instead (`fallocate`) would commit all of its
     /// memory at start-up. Space taken by other programs later can still
     /// run out; this catches the state the host is in when the engine starts.
-    fn check_room(&self, fd: RawFd) -> Result<()> {
-        let os =
-            |call: &'static str| UcmError::os(call, &self.path, std::io::Error::last_os_error());
-        // SAFETY: plain data, for which all zeroes is a valid value.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `fd` is a valid descriptor the caller owns; `st` is a
-        // valid out-pointer for the call.
-        if unsafe { libc::fstat(fd, &mut st) } != 0 {
-            return Err(os("fstat"));
-        }
+    /// `st` is the segment's `fstat`.
+    fn check_room(&self, fd: RawFd, st: &libc::stat) -> Result<()> {
         // SAFETY: plain data, for which all zeroes is a valid value.
         let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: as for `fstat`.
+        // SAFETY: `fd` is a valid descriptor the caller owns; `fs` is a
+        // valid out-pointer for the call.
         if unsafe { libc::fstatvfs(fd, &mut fs) } != 0 {
-            return Err(os("fstatvfs"));
+            return Err(UcmError::os(
+                "fstatvfs",
+                &self.path,
+                std::io::Error::last_os_error(),
+            ));
         }
         let allocated = (st.st_blocks as u64).saturating_mul(512);
         let needed = (st.st_size as u64).saturating_sub(allocated);
@@ -236,17 +236,7 @@ impl ShmObject {
     /// Refuses an object another user owns or may open: `/dev/shm` is
     /// writable by everyone, so anyone could create the name first and
     /// have us serve (or overwrite) bytes they control.
-    fn check_private(&self, fd: RawFd) -> Result<()> {
-        // SAFETY: `st` is plain data fully written by fstat on success.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid descriptor and out-pointer.
-        if unsafe { libc::fstat(fd, &mut st) } != 0 {
-            return Err(UcmError::os(
-                "fstat",
-                &self.path,
-                std::io::Error::last_os_error(),
-            ));
-        }
+    fn check_private(&self, st: &libc::stat) -> Result<()> {
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
         if st.st_uid != me {
@@ -315,13 +305,18 @@ pub fn resident_runs(addr: *const u8, len: usize) -> Result<Vec<(usize, usize)>>
 
 /// Size of the object behind `fd`.
 pub fn fd_size(fd: RawFd) -> Result<usize> {
+    Ok(fstat(fd, "")?.st_size as usize)
+}
+
+/// `fstat` of `fd`; `path` names it in the error.
+fn fstat(fd: RawFd, path: &str) -> Result<libc::stat> {
     // SAFETY: `st` is plain data fully written by fstat on success.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid descriptor and out-pointer.
     if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return Err(UcmError::os("fstat", "", std::io::Error::last_os_error()));
+        return Err(UcmError::os("fstat", path, std::io::Error::last_os_error()));
     }
-    Ok(st.st_size as usize)
+    Ok(st)
 }
 
 /// Start time of process `pid` (clock ticks since boot, field 22 of
