@@ -15,6 +15,7 @@ measurement starts with no dirty page cache left by the one before
 * cold load (nothing in the Cache tier yet): ``Cache|Posix`` vs ``Posix``;
 * the second load of the same blocks, which the default fill policy keeps
   in the Cache tier (filled after the load), vs ``Posix``'s cold load;
+* a third load right after it, while those fills still run, vs the same;
 * dump until persisted (``wait()`` then ``flush()``): ``Cache|Posix`` vs
   ``Posix``;
 * dump until ``wait()`` returns and hot load (every block in the Cache
@@ -141,6 +142,13 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
             if not torch.equal(src, dst):
                 raise SystemExit("second-loaded bytes differ")
             out.update(second_gbps=total / secs / 1e9)
+            # Right away again, while those fills still run: a load must
+            # not wait for them (it reads Posix instead while they last).
+            dst.zero_()
+            secs, _ = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
+            if not torch.equal(src, dst):
+                raise SystemExit("third-loaded bytes differ")
+            out.update(during_fill_gbps=total / secs / 1e9)
             deadline = time.monotonic() + 60
             while store.get_stats()["fills_after_load"] < n:
                 if time.monotonic() > deadline:
@@ -278,6 +286,11 @@ def main() -> None:
     print(
         f"  Cache|Posix second load (kept, filled after it): {second:6.2f}"
         f"  x{second / cold_posix:4.2f} of Posix"
+    )
+    during = median(res["Cache|Posix:load"], "during_fill_gbps")
+    print(
+        f"  Cache|Posix third load, during those fills: {during:6.2f}"
+        f"  x{during / cold_posix:4.2f} of Posix"
     )
     print(f"  Cache|Posix dump until wait(): {wait:6.2f}  x{wait / mem:4.2f} of memcpy")
     print(

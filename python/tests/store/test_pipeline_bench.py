@@ -36,6 +36,7 @@ def test_pipeline_bench_prints_every_ratio(tmp_path: Path) -> None:
         "dump until persisted",
         "dump until wait()",
         "Cache|Posix second load",
+        "Cache|Posix third load, during those fills",
         "Cache|Posix hot load",
         "Posix from the page cache",
         "kept /dev/shm segment, first load",

@@ -116,6 +116,8 @@ struct MemBackend {
     dumps: AtomicU64,
     fail_dumps: AtomicBool,
     delay_ms: AtomicU64,
+    /// Answers `reads_are_local` (as a Posix store would).
+    local: AtomicBool,
 }
 
 struct TaskRegistryHolder(TaskRegistry);
@@ -136,6 +138,9 @@ impl MemBackend {
 impl Store for MemBackend {
     fn name(&self) -> &'static str {
         "Mem"
+    }
+    fn reads_are_local(&self) -> bool {
+        self.local.load(Ordering::SeqCst)
     }
     fn lookup(&self, ids: &[BlockId]) -> ucm_core::Result<Vec<bool>> {
         let d = self.data.lock();
@@ -217,6 +222,9 @@ struct Shared(Arc<MemBackend>);
 impl Store for Shared {
     fn name(&self) -> &'static str {
         "Mem"
+    }
+    fn reads_are_local(&self) -> bool {
+        self.0.reads_are_local()
     }
     fn lookup(&self, ids: &[BlockId]) -> ucm_core::Result<Vec<bool>> {
         self.0.lookup(ids)
@@ -354,6 +362,40 @@ fn two_loads_of_a_missing_block_fill_it_once() {
         "filled more than once"
     );
     assert!(cache.stats()["fill_waits"] > 0.0 || cache.stats()["l1_hits"] > 0.0);
+}
+
+/// Over a backend that reads locally, a load that finds its block's slots
+/// still being filled (here the fill after a first load, which re-reads
+/// the block in the background) reads the backend itself instead of
+/// waiting for that fill: never slower than the backend alone.
+#[test]
+fn a_load_over_a_local_backend_reads_past_a_fill_in_progress() {
+    let (cache, be) = mem_cache(CacheConfig {
+        fill_policy: FillPolicy::ReadAllocate,
+        ..cfg(64)
+    });
+    be.local.store(true, Ordering::SeqCst);
+    dump(be.as_ref(), 9).unwrap();
+    be.delay_ms.store(300, Ordering::SeqCst);
+    let cache = Arc::new(cache);
+    let first = {
+        let c = cache.clone();
+        std::thread::spawn(move || load(&*c, 9).unwrap())
+    };
+    until("the first load's slots", || {
+        cache.stats()["fills"] == SHARDS as f64
+    });
+    load(&*cache, 9).unwrap();
+    let s = cache.stats();
+    assert_eq!(s["fill_waits"], 0.0);
+    assert_eq!(s["fills_read_past"], SHARDS as f64);
+    assert_eq!(s["bypass_loads"], SHARDS as f64);
+    first.join().unwrap();
+    until("the fill after the first load", || {
+        cache.stats()["fills_after_load"] == SHARDS as f64
+    });
+    load(&*cache, 9).unwrap();
+    assert_eq!(cache.stats()["l1_hits"], SHARDS as f64);
 }
 
 #[test]

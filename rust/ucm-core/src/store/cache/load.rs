@@ -1,6 +1,7 @@
 //! The read path (see the module docs of [`super`]): hits copied out,
-//! concurrent fills waited for, misses filled from the backend in one
-//! request per task, bypasses through staging buffers.
+//! concurrent fills waited for (or read past, over a local backend),
+//! misses filled from the backend in one request per task, bypasses
+//! through staging buffers.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -84,7 +85,46 @@ impl Inner {
         }
         add(&self.c.evictions, evictions);
         add(&self.c.first_loads_not_kept, first_load_shards);
+        self.read_past_fills(&mut plans);
         (plans, wanted)
+    }
+
+    /// Turns waits for slots still being filled into reads of the backend,
+    /// where the backend reads locally into the caller's memory and holds
+    /// the block. Such a slot is mostly filled after an earlier load, on a
+    /// low-priority thread, with a second read of the same files: waiting
+    /// for it made a repeated load wait for that whole fill, several times
+    /// longer than the backend's own read. A block the backend lacks (its
+    /// dump is still arriving in the slot) is waited for as before.
+    fn read_past_fills(&self, plans: &mut [LoadPlan]) {
+        let waits: Vec<usize> = (0..plans.len())
+            .filter(|&i| matches!(&plans[i], LoadPlan::Wait(s, _) if self.reads_into_caller(s)))
+            .collect();
+        if waits.is_empty() {
+            return;
+        }
+        let blocks: Vec<BlockId> = waits
+            .iter()
+            .filter_map(|&i| match &plans[i] {
+                LoadPlan::Wait(s, _) => Some(s.block),
+                _ => None,
+            })
+            .collect();
+        let Ok(present) = self.backend.lookup(&blocks) else {
+            return; // the waits stay: they need nothing of the backend
+        };
+        let mut unpin = Vec::new();
+        for (&i, here) in waits.iter().zip(present) {
+            if !here {
+                continue;
+            }
+            if let LoadPlan::Wait(s, slot) = &plans[i] {
+                unpin.push(*slot);
+                plans[i] = LoadPlan::Bypass(s.clone());
+            }
+        }
+        add(&self.c.fills_read_past, unpin.len() as u64);
+        self.unpin_all(unpin);
     }
 
     pub(super) fn load(self: &Arc<Self>, rt: &Runtime, shards: Vec<ShardIo>) -> TaskId {

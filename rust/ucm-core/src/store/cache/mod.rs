@@ -18,7 +18,10 @@
 //! `load` classifies every shard under the table lock: a **hit** (ready
 //! slot) is pinned and copied out by a copy thread; a shard another task is
 //! **filling** is pinned and waited for (so two loads of a missing shard
-//! read the backend once, and nobody reads half-written memory); a **miss**
+//! read the backend once, and nobody reads half-written memory), except
+//! that a local backend holding the block is read instead: such a fill is
+//! mostly the slow background one after an earlier load, and waiting for it
+//! would make the load slower than the backend alone; a **miss**
 //! takes a slot in state FILLING and all misses of the task go to the
 //! backend in one `load` aimed at the slots, then are copied out. When
 //! `fill_policy` says not to keep load misses, or no slot can be taken

@@ -105,6 +105,7 @@ pub struct Counters {
     pub fills_after_load: AtomicU64,
     pub first_loads_not_kept: AtomicU64,
     pub fill_waits: AtomicU64,
+    pub fills_read_past: AtomicU64,
     pub bypass_loads: AtomicU64,
     pub bypass_dumps: AtomicU64,
     pub prefetch_shards: AtomicU64,
@@ -158,6 +159,7 @@ impl super::Inner {
         put("fills_after_load", get(&c.fills_after_load) as f64);
         put("first_loads_not_kept", get(&c.first_loads_not_kept) as f64);
         put("fill_waits", get(&c.fill_waits) as f64);
+        put("fills_read_past", get(&c.fills_read_past) as f64);
         put("bypass_loads", get(&c.bypass_loads) as f64);
         put("bypass_dumps", get(&c.bypass_dumps) as f64);
         put("prefetch_shards", get(&c.prefetch_shards) as f64);
