@@ -70,10 +70,12 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +142,6 @@ def raw_read_gbps(root: Path, total: int = 1 << 30) -> float:
 def _parallel_copy_gbps(total: int, copy_part: Callable[[int, int], None]) -> float:
     """Best of 4 rounds of ``copy_part(offset, length)`` over ``total`` bytes,
     one slice per CPU in parallel, in GB/s."""
-    from concurrent.futures import ThreadPoolExecutor
-
     threads = os.cpu_count() or 1
     part = total // threads
     best = 0.0
@@ -174,6 +174,70 @@ def pagecache_read_gbps(root: Path, total: int = 512 << 20) -> float:
     finally:
         os.close(fd)
         path.unlink()
+
+
+def cold_read_child(store: Path, nbytes: int, settle: float) -> dict[str, float]:
+    """In a fresh process, what a fresh engine's load from the page cache
+    does with no store code: read ``nbytes`` of the store's block files
+    (already in the page cache) into memory allocated and zeroed ``settle``
+    seconds before, as vLLM's KV cache is, with the store's 4 I/O threads.
+    Seconds of that first pass (``cold``) and of a second one (``warm``), and
+    the bytes of each that were not in the page cache (read from the disk)."""
+    import numpy as np
+    import torch
+
+    dst = torch.zeros(nbytes, dtype=torch.uint8).numpy()
+    plan, off = [], 0
+    for path in sorted(store.glob("??/*")):
+        if off >= nbytes:
+            break
+        n = min(path.stat().st_size, nbytes - off)
+        plan.append((path, off, n))
+        off += n
+    if off < nbytes:
+        raise SystemExit(f"the store holds {off} bytes, fewer than {nbytes}")
+
+    uncached = [0]
+
+    def read(item: tuple[Path, int, int]) -> None:
+        path, at, n = item
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            # A file partly evicted since it was saved would make this a
+            # disk read: counted (with pages the kernel is reading ahead,
+            # which also refuse RWF_NOWAIT), and printed with the figure.
+            try:
+                got = os.preadv(fd, [memoryview(dst[at : at + n])], 0, os.RWF_NOWAIT)
+            except BlockingIOError:
+                got = 0
+            if got < n:
+                uncached[0] += n - got
+                os.preadv(fd, [memoryview(dst[at + got : at + n])], got)
+        finally:
+            os.close(fd)
+
+    out: dict[str, float] = {}
+    time.sleep(settle)
+    with ThreadPoolExecutor(4) as ex:
+        for key in ("cold", "warm"):
+            t = time.perf_counter()
+            list(ex.map(read, plan))
+            out[key] = time.perf_counter() - t
+            out[f"{key}_uncached_bytes"] = uncached[0]
+            uncached[0] = 0
+    assert np.any(dst[-4096:]), "nothing was read"
+    return out
+
+
+def cold_read_seconds(store: Path, nbytes: int, settle: float) -> dict[str, float]:
+    """:func:`cold_read_child` in a new interpreter."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--cold-read", str(store), str(nbytes), str(settle)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def memcpy_gbps(total: int = 512 << 20) -> float:
@@ -334,7 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         default="fs_native",
         help="LMCache's file tier: its C++ one (fs_native) or its Python one (fs)",
     )
+    ap.add_argument("--cold-read", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.cold_read:
+        root, nbytes, settle = args.cold_read
+        print(json.dumps(cold_read_child(Path(root), int(nbytes), float(settle))))
+        return 0
     assert args.lmcache_chunk % BLOCK == 0, "LMCache chunks must be whole vLLM blocks"
 
     t0 = time.time()
@@ -453,6 +522,22 @@ def main(argv: list[str] | None = None) -> int:
     # pay for it. Written back now, every pipeline loads on a quiet machine.
     os.sync()
 
+    # The same bytes, read from the same files with no store code, in a
+    # fresh process into memory zeroed as long before as an engine's KV
+    # cache (its warm-up and settle): the first pass over memory idle for
+    # seconds can be much slower than memcpy's repeated passes on a VM.
+    for n in args.lengths:
+        nbytes = (n // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
+        rd = cold_read_seconds(store, nbytes, settle=3.0)
+        res[n].update(cold_read=rd["cold"], warm_read=rd["warm"])
+        print(
+            f"{n}: the KV bytes read from the page cache into fresh memory: first pass "
+            f"{nbytes / rd['cold'] / 1e9:.2f} GB/s, second {nbytes / rd['warm'] / 1e9:.2f} GB/s"
+            f" ({rd['cold_uncached_bytes'] / 2**20:.0f} MiB of it not copied without waiting:"
+            " not in the page cache, or being read ahead)",
+            flush=True,
+        )
+
     # 2. Fresh engines (new processes) load prompt 0 from UCM: from memory (the
     #    saving engine's files are in the page cache), and off the disk after
     #    evicting them. Right after, the same engine serves the prompt again:
@@ -498,24 +583,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "floor = one token computed at full context + KV bytes / memcpy bandwidth; "
+        "cold floor = one token + the first pass of those bytes from the page cache into "
+        "fresh memory (no store code); "
         "UCM mem = a fresh engine loading from the page cache or the Cache tier; "
         "its vLLM hit = the same engine right after, from vLLM's own prefix cache "
         "(ucm_skip_load), the x hit baseline"
     )
     print(
         "| prompt | recompute | UCM miss overhead: wall, CPU | vLLM hit | one token | floor "
-        "| pc floor "
-        "| pipeline | mode | UCM mem | its vLLM hit | x hit | x floor | UCM disk | disk - hit "
+        "| pc floor | cold floor "
+        "| pipeline | mode | UCM mem | its vLLM hit | x hit | x floor | x cold floor "
+        "| UCM disk | disk - hit "
         "| KV bytes / raw BW | LMCache mem | LMCache x vLLM hit |"
     )
-    print("|" + "---|" * 18)
+    print("|" + "---|" * 20)
     for n in args.lengths:
         r = res[n]
         nbytes = (n // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
         bound = nbytes / (raw * 1e9) if raw == raw and raw > 0 else float("nan")
         floor = r["one_token"] + nbytes / (mc * 1e9)
         pc_floor = r["one_token"] + nbytes / (pc * 1e9)
-        r.update(kv_bytes=nbytes, raw_bound=bound, floor=floor, pc_floor=pc_floor)
+        cold_floor = r["one_token"] + r["cold_read"]
+        r.update(
+            kv_bytes=nbytes, raw_bound=bound, floor=floor, pc_floor=pc_floor, cold_floor=cold_floor
+        )
         first = True
         for pipe in args.pipelines:
             for mode in modes:
@@ -534,15 +625,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"{(r['ucm_miss'] / r['recompute'] - 1) * 100:+.1f}%, "
                     f"{(r['ucm_miss_cpu'] / r['recompute_cpu'] - 1) * 100:+.1f}% "
                     f"| {r['vllm_hit_plain']:.3f}s | {r['one_token']:.3f}s | {floor:.3f}s "
-                    f"| {pc_floor:.3f}s"
+                    f"| {pc_floor:.3f}s | {cold_floor:.3f}s"
                     if first
-                    else "| | | | | | |"
+                    else "| | | | | | | |"
                 )
                 first = False
                 cell = pipe.replace("|", "\\|")  # a table cell
                 print(
                     f"{head} | {cell} | {mode} | {mem:.3f}s | {mem_hit:.3f}s | {mem / mem_hit:.2f} "
-                    f"| {mem / floor:.2f} {disk_cells}{lmc}"
+                    f"| {mem / floor:.2f} | {mem / cold_floor:.2f} {disk_cells}{lmc}"
                 )
     print()
     print(
