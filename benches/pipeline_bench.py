@@ -129,38 +129,31 @@ def child(case: str, root: Path, total: int, shard: int, settle: float) -> dict[
         out.update(wait_gbps=total / secs / 1e9, persisted_gbps=total / persisted / 1e9)
         out["faults"] = faults
     elif op == "load":
-        secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
-        if not torch.equal(src, dst):
-            raise SystemExit("loaded bytes differ")
-        out.update(cold_gbps=total / secs / 1e9, faults=faults)
+
+        def load_checked(what: str) -> tuple[float, int]:
+            secs, faults = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
+            if not torch.equal(src, dst):
+                raise SystemExit(f"{what} bytes differ")
+            return total / secs / 1e9, faults
+
+        out["cold_gbps"], out["faults"] = load_checked("loaded")
         if pipeline.startswith("Cache"):
             # The default fill policy keeps a block read straight into the
             # caller on its second load; those fills run after the load, in
             # the background. Hot: every block then sits in the Cache tier.
             dst.zero_()
-            secs, _ = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
-            if not torch.equal(src, dst):
-                raise SystemExit("second-loaded bytes differ")
-            out.update(second_gbps=total / secs / 1e9)
+            out["second_gbps"], _ = load_checked("second-loaded")
             # Right away again, while those fills still run: a load must
             # not wait for them (it reads Posix instead while they last).
             dst.zero_()
-            secs, _ = timed(lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard))))
-            if not torch.equal(src, dst):
-                raise SystemExit("third-loaded bytes differ")
-            out.update(during_fill_gbps=total / secs / 1e9)
+            out["during_fill_gbps"], _ = load_checked("third-loaded")
             deadline = time.monotonic() + 60
             while store.get_stats()["fills_after_load"] < n:
                 if time.monotonic() > deadline:
                     raise SystemExit("the fills after the second load did not finish in 60 s")
                 time.sleep(0.05)
             dst.zero_()
-            secs, hot_faults = timed(
-                lambda: store.wait(store.load(ids, [0] * n, regions(dst, shard)))
-            )
-            if not torch.equal(src, dst):
-                raise SystemExit("hot-loaded bytes differ")
-            out.update(hot_gbps=total / secs / 1e9, hot_faults=hot_faults)
+            out["hot_gbps"], out["hot_faults"] = load_checked("hot-loaded")
     store.close()
     return out
 

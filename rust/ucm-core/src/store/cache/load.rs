@@ -97,19 +97,17 @@ impl Inner {
     /// longer than the backend's own read. A block the backend lacks (its
     /// dump is still arriving in the slot) is waited for as before.
     fn read_past_fills(&self, plans: &mut [LoadPlan]) {
-        let waits: Vec<usize> = (0..plans.len())
-            .filter(|&i| matches!(&plans[i], LoadPlan::Wait(s, _) if self.reads_into_caller(s)))
-            .collect();
+        let (waits, blocks): (Vec<usize>, Vec<BlockId>) = plans
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p {
+                LoadPlan::Wait(s, _) if self.reads_into_caller(s) => Some((i, s.block)),
+                _ => None,
+            })
+            .unzip();
         if waits.is_empty() {
             return;
         }
-        let blocks: Vec<BlockId> = waits
-            .iter()
-            .filter_map(|&i| match &plans[i] {
-                LoadPlan::Wait(s, _) => Some(s.block),
-                _ => None,
-            })
-            .collect();
         let Ok(present) = self.backend.lookup(&blocks) else {
             return; // the waits stay: they need nothing of the backend
         };
