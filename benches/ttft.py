@@ -450,8 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(7)
     # Prompt 0 of each length is stored and then loaded; the others only
     # repeat the overhead measurement.
-    reps = {n: args.overhead_repeat for n in args.lengths}
-    prompts = {n: [_tokens(rng, n) for _ in range(reps[n])] for n in args.lengths}
+    prompts = {n: [_tokens(rng, n) for _ in range(args.overhead_repeat)] for n in args.lengths}
     res: dict[int, dict[str, float]] = {n: {} for n in args.lengths}
     warmup = _tokens(rng, 8 * BLOCK)
     env = engine_env()
