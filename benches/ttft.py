@@ -9,7 +9,12 @@ hidden 1024, 8 KV heads of 128, float32: 128 KiB of KV per token), prompts of
   its blocks are saved): the connector's overhead against ``recompute``
   (both engines alive, measured alternately on the same prompts);
 * ``ucm mem``: a fresh engine (new process) loading the prompt from UCM with
-  the store's files in memory (page cache, or the Cache tier);
+  the store's files in memory (page cache, or the Cache tier). A host may
+  reclaim page-cache pages left idle (this VM drops those idle for about a
+  minute), and an engine takes longer than that to start: the files are read
+  back into the page cache once the engine is up, and the bytes that had
+  left are printed (the same for the page-cache read probe and LMCache's
+  file tier);
 * ``ucm disk``: a fresh engine after the store's files were evicted from the
   page cache (``posix_fadvise(DONTNEED)``);
 * ``vllm hit``: right after each load, the same engine serves the prompt
@@ -82,6 +87,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_engine import LMCacheServer, LMCacheSpawner, lmcache_import_error
+from page_cache import evict, page_in
 from ucm.testing.harness import EngineProcess, EngineSpawner, engine_env
 from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
 
@@ -109,26 +115,6 @@ def _bench_dir() -> Path:
     d = REPO / ".ucm-demo" / "bench"
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def evict_page_cache(root: Path) -> int:
-    """Drops the store's files from the page cache; returns the bytes dropped."""
-    os.sync()
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                total += os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-    return total
 
 
 def raw_read_gbps(root: Path, total: int = 1 << 30) -> float:
@@ -284,6 +270,7 @@ def lmcache_loads(
     engine: Callable[..., EngineProcess],
     prompts: dict[int, list[list[int]]],
     res: dict[int, dict[str, float]],
+    paged_in: Callable[[str, Path], None],
 ) -> str:
     """Measures LMCache's loads of prompt 0 of each length into ``res``
     (``lmcache_mem``, ``lmcache_cached``, ``lmcache_hit``); returns a line
@@ -328,6 +315,7 @@ def lmcache_loads(
         s = server(f"lmcache-server-{rep}")
         try:
             e = engine(f"lmcache-mem-{rep}", None, (s, spawner))
+            paged_in(f"LMCache engine {rep}", disk)
             for n in args.lengths:
                 p = prompts[n][0]
                 t, cached = e.ttft(p)
@@ -482,6 +470,21 @@ def main(argv: list[str] | None = None) -> int:
     def best(n: int, key: str, value: float) -> None:
         res[n][key] = min(res[n].get(key, float("inf")), value)
 
+    # Bytes of the files a from-memory load reads that had left the page
+    # cache since they were written, per load (this VM, for one, reclaims
+    # page-cache pages idle for about a minute): paged back in before it.
+    paged_out: dict[str, int] = {}
+
+    def paged_in(what: str, root: Path) -> None:
+        total, missing = page_in(root)
+        paged_out[what] = missing
+        if missing:
+            print(
+                f"{what}: {missing / 2**20:.0f} MiB of {total / 2**20:.0f} MiB of files had "
+                "left the page cache; read back in before loading",
+                flush=True,
+            )
+
     # 1. Recompute vs the connector at 0 % hits: both engines alive, measured
     #    alternately on the same prompts (other load on the machine hits both).
     #    The connector engine saves the prompts. Then, in the plain engine,
@@ -527,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     # seconds can be much slower than memcpy's repeated passes on a VM.
     for n in args.lengths:
         nbytes = (n // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
+        paged_in(f"{n}: page-cache read", store)
         rd = cold_read_seconds(store, nbytes, settle=3.0)
         res[n].update(cold_read=rd["cold"], warm_read=rd["warm"])
         print(
@@ -551,8 +555,10 @@ def main(argv: list[str] | None = None) -> int:
                     tag = pipe.replace("|", "+").replace(" ", "-")
                     e = engine(f"ucm-{tag}-{where}-{mode}-{rep}", ucm_config(pipe, mode))
                     if where == "disk":
-                        gib = evict_page_cache(store) / 2**30
+                        gib = evict(store) / 2**30
                         print(f"evicted {gib:.2f} GiB of store files from the page cache")
+                    else:
+                        paged_in(f"{pipe} {mode} engine {rep}", store)
                     for n in args.lengths:
                         p = prompts[n][0]
                         t, cached = e.ttft(p)
@@ -572,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                     load_m[f"{pipe}/{where}_{mode}"] = e.metrics()
                     e.close()
 
-    lmc_note = lmcache_loads(args, work, env, engine, prompts, res)
+    lmc_note = lmcache_loads(args, work, env, engine, prompts, res, paged_in)
 
     print()
     print(
@@ -642,6 +648,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, m in load_m.items():
         print(f"{key}: last loads at {m.get('ucm_load_speed_gbps', 0):.2f} GB/s")
     print(lmc_note)
+    out = {k: v for k, v in paged_out.items() if v}
+    print(
+        "files paged back in before loads from memory: "
+        + (", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in out.items()) or "none had left")
+    )
     if any("lmcache_mem" in res[n] for n in args.lengths):
         for n in args.lengths:
             r = res[n]
@@ -668,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                     "modes": modes,
                     "pipelines": args.pipelines,
                     "lmcache": lmc_note,
+                    "paged_out_bytes": paged_out,
                     "results": res,
                 }
             )
