@@ -30,7 +30,10 @@ hidden 1024, 8 KV heads of 128, float32: 128 KiB of KV per token), prompts of
 The ``floor`` of a from-memory load is ``one token`` plus the KV bytes over
 the memory-copy bandwidth measured in the same run; ``pc floor`` is the same
 with the page-cache read bandwidth instead (what a fresh engine's load from
-the page cache cannot beat: the kernel copies every byte out of it). The raw
+the page cache cannot beat: the kernel copies every byte out of it);
+``verified floor`` adds the KV bytes over the speed of the checksum every
+load verifies (all CPUs, same run): a load from the page cache copies each
+byte out of it and then checks it, both on the same CPUs. The raw
 O_DIRECT read bandwidth of the store's disk and the page-cache read bandwidth
 are printed too. Loads are measured for each of ``--pipelines`` (the default pipeline,
 ``Cache|Posix``, and ``Posix`` alone) and each of ``--modes``. A pipeline
@@ -226,6 +229,15 @@ def cold_read_seconds(store: Path, nbytes: int, settle: float) -> dict[str, floa
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def checksum_gbps(total: int = 512 << 20) -> float:
+    """Speed of the checksum every load verifies (one per shard of the
+    bench model: a layer's K and V of one block), on all CPUs."""
+    from ucm import _native
+
+    shard = 2 * BLOCK * BENCH_SPEC.kv_heads * BENCH_SPEC.head_dim * 4
+    return _native.baseline_checksum_gbps(total, shard, os.cpu_count() or 1)
+
+
 def memcpy_gbps(total: int = 512 << 20) -> float:
     """Bandwidth of a plain memory-to-memory copy, one thread per CPU: what
     even a load that never touches a file (the Cache tier) pays per byte."""
@@ -410,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"page-cache read: {pc:.2f} GB/s", flush=True)
     mc = memcpy_gbps()
     print(f"memory-to-memory copy, all CPUs: {mc:.2f} GB/s", flush=True)
+    ck = checksum_gbps()
+    print(f"load checksum, all CPUs: {ck:.2f} GB/s", flush=True)
 
     max_len = max(args.lengths) + 64
     llm = {
@@ -583,11 +597,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"raw O_DIRECT read {raw:.2f} GB/s, page-cache read {pc:.2f} GB/s, memcpy {mc:.2f} GB/s, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+        f"load checksum {ck:.2f} GB/s, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}; "
         f"best of {args.repeat} fresh engines per cell"
     )
     print(
         "floor = one token computed at full context + KV bytes / memcpy bandwidth; "
+        "verified floor = one token + KV bytes / page-cache read + KV bytes / checksum; "
         "cold floor = one token + the first pass of those bytes from the page cache into "
         "fresh memory (no store code); "
         "UCM mem = a fresh engine loading from the page cache or the Cache tier; "
@@ -596,21 +612,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| prompt | recompute | UCM miss overhead: wall, CPU | vLLM hit | one token | floor "
-        "| pc floor | cold floor "
-        "| pipeline | mode | UCM mem | its vLLM hit | x hit | x floor | x cold floor "
+        "| pc floor | verified floor | cold floor "
+        "| pipeline | mode | UCM mem | its vLLM hit | x hit | x floor | x verified floor "
+        "| x cold floor "
         "| UCM disk | disk - hit "
         "| KV bytes / raw BW | LMCache mem | LMCache x vLLM hit |"
     )
-    print("|" + "---|" * 20)
+    print("|" + "---|" * 22)
     for n in args.lengths:
         r = res[n]
         nbytes = (n // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
         bound = nbytes / (raw * 1e9) if raw == raw and raw > 0 else float("nan")
         floor = r["one_token"] + nbytes / (mc * 1e9)
         pc_floor = r["one_token"] + nbytes / (pc * 1e9)
+        verified_floor = pc_floor + nbytes / (ck * 1e9)
         cold_floor = r["one_token"] + r["cold_read"]
         r.update(
-            kv_bytes=nbytes, raw_bound=bound, floor=floor, pc_floor=pc_floor, cold_floor=cold_floor
+            kv_bytes=nbytes,
+            raw_bound=bound,
+            floor=floor,
+            pc_floor=pc_floor,
+            verified_floor=verified_floor,
+            cold_floor=cold_floor,
         )
         first = True
         for pipe in args.pipelines:
@@ -630,15 +653,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"{(r['ucm_miss'] / r['recompute'] - 1) * 100:+.1f}%, "
                     f"{(r['ucm_miss_cpu'] / r['recompute_cpu'] - 1) * 100:+.1f}% "
                     f"| {r['vllm_hit_plain']:.3f}s | {r['one_token']:.3f}s | {floor:.3f}s "
-                    f"| {pc_floor:.3f}s | {cold_floor:.3f}s"
+                    f"| {pc_floor:.3f}s | {verified_floor:.3f}s | {cold_floor:.3f}s"
                     if first
-                    else "| | | | | | | |"
+                    else "| | | | | | | | |"
                 )
                 first = False
                 cell = pipe.replace("|", "\\|")  # a table cell
                 print(
                     f"{head} | {cell} | {mode} | {mem:.3f}s | {mem_hit:.3f}s | {mem / mem_hit:.2f} "
-                    f"| {mem / floor:.2f} | {mem / cold_floor:.2f} {disk_cells}{lmc}"
+                    f"| {mem / floor:.2f} | {mem / verified_floor:.2f} | {mem / cold_floor:.2f} "
+                    f"{disk_cells}{lmc}"
                 )
     print()
     print(
@@ -676,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
                     "raw_gbps": raw,
                     "pagecache_gbps": pc,
                     "memcpy_gbps": mc,
+                    "checksum_gbps": ck,
                     "modes": modes,
                     "pipelines": args.pipelines,
                     "lmcache": lmc_note,
