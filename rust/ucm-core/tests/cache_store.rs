@@ -118,6 +118,11 @@ struct MemBackend {
     delay_ms: AtomicU64,
     /// Answers `reads_are_local` (as a Posix store would).
     local: AtomicBool,
+    /// Dumps complete only when waited for, as a backend with I/O in
+    /// flight would; counts how many were open at once.
+    deferred_dumps: AtomicBool,
+    open_dumps: Mutex<HashMap<u64, Arc<ucm_core::task::Task>>>,
+    most_open_dumps: AtomicU64,
 }
 
 struct TaskRegistryHolder(TaskRegistry);
@@ -202,10 +207,22 @@ impl Store for MemBackend {
             }
             d.insert((s.block, s.index), v);
         }
-        task.complete_unit(Ok(()));
+        if self.deferred_dumps.load(Ordering::SeqCst) {
+            let mut open = self.open_dumps.lock();
+            open.insert(task.id(), task.clone());
+            self.most_open_dumps
+                .fetch_max(open.len() as u64, Ordering::SeqCst);
+        } else {
+            task.complete_unit(Ok(()));
+        }
         Ok(task.id())
     }
     fn wait(&self, t: u64) -> ucm_core::Result<()> {
+        let deferred = self.open_dumps.lock().remove(&t);
+        if let Some(task) = deferred {
+            std::thread::sleep(Duration::from_millis(2));
+            task.complete_unit(Ok(()));
+        }
         self.tasks.0.wait(t)
     }
     fn check(&self, t: u64) -> ucm_core::Result<bool> {
@@ -445,6 +462,30 @@ fn write_back_policies() {
     for n in 0..4 {
         assert!(be.has(n), "block {n}");
     }
+}
+
+#[test]
+fn write_back_keeps_a_second_batch_in_flight_and_loses_nothing() {
+    // One block per batch, lazy: only the flush makes them due, all at
+    // once. The backend holds each write open until it is waited for.
+    let (cache, be) = mem_cache(CacheConfig {
+        write_back_policy: WriteBackPolicy::Lazy,
+        write_back_batch_size: 1,
+        ..cfg(64)
+    });
+    be.deferred_dumps.store(true, Ordering::SeqCst);
+    for n in 0..8 {
+        dump(&cache, n).unwrap();
+    }
+    cache.flush().unwrap();
+    for n in 0..8 {
+        assert!(be.has(n), "block {n}");
+    }
+    assert_eq!(cache.stats()["dirty_blocks"], 0.0);
+    // The next batch went to the backend before the previous one was
+    // waited for, and never more than two at once.
+    assert_eq!(be.most_open_dumps.load(Ordering::SeqCst), 2);
+    drop(cache);
 }
 
 #[test]

@@ -251,15 +251,29 @@ impl Inner {
 
     /// Writes dirty slots (block, shard, slot) to the backend and waits.
     pub(super) fn write_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
+        self.finish_blocks(items, self.submit_blocks(items))
+    }
+
+    /// Starts writing dirty slots (block, shard, slot) to the backend. The
+    /// slots stay dirty, so nothing evicts or reuses them, until
+    /// [`Self::finish_blocks`] has waited for the task.
+    pub(super) fn submit_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<TaskId> {
         let shards = self.slot_shards(
             items
                 .iter()
                 .map(|&(b, shard, slot)| (b, shard as usize, slot)),
         );
-        let r = self
-            .backend
-            .dump(shards, 0)
-            .and_then(|t| self.backend.wait(t));
+        self.backend.dump(shards, 0)
+    }
+
+    /// Waits for a write started by [`Self::submit_blocks`]; on success,
+    /// counts it and cleans its slots.
+    pub(super) fn finish_blocks(
+        &self,
+        items: &[(BlockId, u32, u32)],
+        task: Result<TaskId>,
+    ) -> Result<()> {
+        let r = task.and_then(|t| self.backend.wait(t));
         if r.is_ok() {
             add(
                 &self.c.bytes_dumped_l2,

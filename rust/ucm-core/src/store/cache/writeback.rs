@@ -528,14 +528,21 @@ mod tests {
 /// The write-back thread and `flush`, the parts of [`super::Inner`] that
 /// drain this map.
 mod thread {
+    use std::collections::VecDeque;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use super::super::stats::add;
     use super::super::{Inner, WriteBackPolicy, HOUSEKEEPING};
-    use super::Schedule;
+    use super::{Batch, Schedule};
     use crate::block::BlockId;
     use crate::error::{Result, UcmError};
+    use crate::task::TaskId;
+
+    /// Write-back batches submitted to the backend and not yet waited for.
+    /// Two keep the backend busy across one batch's tail; more only
+    /// queue behind the backend's own I/O threads.
+    const BATCHES_IN_FLIGHT: usize = 2;
 
     impl Inner {
         pub(in crate::store::cache) fn write_back_loop(self: Arc<Self>) {
@@ -548,41 +555,65 @@ mod thread {
             };
             let max_backoff = Duration::from_millis(self.cfg.write_back_max_backoff_ms);
             let mut last_housekeeping = Instant::now();
+            // Oldest first. Waiting for one batch before taking the next
+            // left the backend idle between batches (its last file's
+            // publication, then the next submission): a flush of many
+            // batches reached about two thirds of the backend's own dump
+            // speed.
+            let mut writing: VecDeque<(Batch, Result<TaskId>)> = VecDeque::new();
             loop {
                 if self.cfg.share_buffer_enable && last_housekeeping.elapsed() >= HOUSEKEEPING {
                     self.housekeep();
                     last_housekeeping = Instant::now();
                 }
-                let batch = {
+                let taken = {
                     let mut st = self.wb.state.lock();
                     let copying = self.wb.copies_running();
-                    match st.take_due(Instant::now(), &schedule, copying) {
-                        Ok(batch) => batch,
-                        Err(next_wake) => {
+                    let room = writing.len() < BATCHES_IN_FLIGHT;
+                    match room.then(|| st.take_due(Instant::now(), &schedule, copying)) {
+                        Some(Ok(batch)) => Some(batch),
+                        Some(Err(next_wake)) if writing.is_empty() => {
                             if st.stop {
                                 return;
                             }
                             self.wb.wake.wait_until(&mut st, next_wake);
                             continue;
                         }
+                        _ => None,
                     }
                 };
-                let res = self.write_blocks(&batch.items);
-                if res.is_ok() {
-                    self.after_written(&batch.items);
+                match taken {
+                    Some(batch) => {
+                        let task = self.submit_blocks(&batch.items);
+                        writing.push_back((batch, task));
+                    }
+                    None => {
+                        if let Some((batch, task)) = writing.pop_front() {
+                            let res = self.finish_blocks(&batch.items, task);
+                            if res.is_ok() {
+                                self.after_written(&batch.items);
+                            }
+                            self.record_written(batch, res, max_backoff);
+                        }
+                    }
                 }
-                let mut st = self.wb.state.lock();
-                let failed = st.written(batch.blocks, batch.gen, &res, max_backoff);
-                add(&self.c.write_back_failures, failed);
-                if let Err(e) = &res {
-                    log::warn!(
-                        "write-back of {} shard(s) failed (kept dirty in the cache, will retry): {e}",
-                        batch.items.len()
-                    );
-                }
-                drop(st);
-                self.wb.progress.notify_all();
             }
+        }
+
+        /// Records a finished write: the entries' outcome, the failure
+        /// count, and a wake-up for flushes waiting on it.
+        fn record_written(&self, batch: Batch, res: Result<()>, max_backoff: Duration) {
+            let n = batch.items.len();
+            let mut st = self.wb.state.lock();
+            let failed = st.written(batch.blocks, batch.gen, &res, max_backoff);
+            add(&self.c.write_back_failures, failed);
+            if let Err(e) = &res {
+                log::warn!(
+                    "write-back of {n} shard(s) failed (kept dirty in the cache, will retry): {e}"
+                );
+            }
+            drop(st);
+            self.wb.progress.notify_all();
         }
 
         pub(in crate::store::cache) fn flush(&self) -> Result<()> {
