@@ -190,16 +190,13 @@ impl Inner {
         let wb_result = match self.cfg.write_back_policy {
             WriteBackPolicy::Sync if !dirty.is_empty() => {
                 let r = self.write_blocks(&dirty);
-                match &r {
-                    Ok(()) => self.after_written(&dirty),
-                    Err(e) => {
-                        add(&self.c.write_back_failures, distinct_blocks(&dirty));
-                        self.wb.add_failed(
-                            &dirty,
-                            e,
-                            Duration::from_millis(self.cfg.write_back_max_backoff_ms),
-                        );
-                    }
+                if let Err(e) = &r {
+                    add(&self.c.write_back_failures, distinct_blocks(&dirty));
+                    self.wb.add_failed(
+                        &dirty,
+                        e,
+                        Duration::from_millis(self.cfg.write_back_max_backoff_ms),
+                    );
                 }
                 r
             }
@@ -249,7 +246,8 @@ impl Inner {
         }
     }
 
-    /// Writes dirty slots (block, shard, slot) to the backend and waits.
+    /// Writes dirty slots (block, shard, slot) to the backend, waits, and
+    /// on success cleans them.
     pub(super) fn write_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
         self.finish_blocks(items, self.submit_blocks(items))
     }
@@ -280,13 +278,14 @@ impl Inner {
                 (items.len() * self.cfg.shard_size) as u64,
             );
             add(&self.c.write_back_blocks, distinct_blocks(items));
+            self.after_written(items);
         }
         r
     }
 
     /// The backend has these slots' bytes: clean them, and drop them if
     /// the fill policy does not keep dumped blocks.
-    pub(super) fn after_written(&self, items: &[(BlockId, u32, u32)]) {
+    fn after_written(&self, items: &[(BlockId, u32, u32)]) {
         let keep = self.cfg.fill_policy != FillPolicy::NoAllocate;
         if let Ok(mut g) = self.table.lock() {
             for &(_, _, slot) in items {

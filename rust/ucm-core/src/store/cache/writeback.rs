@@ -590,9 +590,6 @@ mod thread {
                     None => {
                         if let Some((batch, task)) = writing.pop_front() {
                             let res = self.finish_blocks(&batch.items, task);
-                            if res.is_ok() {
-                                self.after_written(&batch.items);
-                            }
                             self.record_written(batch, res, max_backoff);
                         }
                     }
