@@ -665,6 +665,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{disk_cells}{lmc}"
                 )
     print()
+    # The part of the floor target that physics on this host leaves to loads
+    # out of the page cache, i.e. every pipeline but a kept segment.
+    ceiling = ", ".join(f"{n}: {res[n]['pc_floor'] / res[n]['floor']:.2f} x" for n in args.lengths)
+    print(
+        f"pc floor / floor: {ceiling}; no load out of the page cache can come nearer "
+        "the floor than this (only a kept /dev/shm segment loads by memcpy)"
+    )
     print(
         f"saving engine: {save_m.get('ucm_save_blocks_total', 0):.0f} blocks saved at "
         f"{save_m.get('ucm_save_speed_gbps', 0):.2f} GB/s"
