@@ -248,7 +248,7 @@ impl Inner {
 
     /// Writes dirty slots (block, shard, slot) to the backend, waits, and
     /// on success cleans them.
-    pub(super) fn write_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
+    fn write_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
         self.finish_blocks(items, self.submit_blocks(items))
     }
 
