@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::stats::add;
-use super::table::{Guard, READY};
+use super::table::{Guard, Release, READY};
 use super::{chunks_of, staging, FillPolicy, Inner, Runtime, TaskCtx, WriteBackPolicy, LOCK_CHUNK};
 use crate::block::{BlockId, ShardIo};
 use crate::error::{Result, UcmError};
@@ -29,6 +29,8 @@ struct Planning {
     /// Clean copies to write back again.
     redirty: Vec<(BlockId, u32, u32)>,
     evictions: u64,
+    /// Slots found with damaged metadata, dropped.
+    damaged: u64,
 }
 
 impl Planning {
@@ -36,7 +38,17 @@ impl Planning {
     /// slot, or written straight through to the backend.
     fn plan(&mut self, g: &mut Guard<'_>, s: ShardIo) {
         let shard = s.index as u32;
-        match g.find(&s.block, shard) {
+        let mut found = g.find(&s.block, shard);
+        if let Some(slot) = found {
+            if g.meta(slot).state == READY && g.checksum_of(slot, &s.block, shard).is_none() {
+                // Its metadata no longer vouches for its bytes: replaced by
+                // this dump's.
+                g.drop_entry(slot);
+                self.damaged += 1;
+                found = None;
+            }
+        }
+        match found {
             Some(slot) => {
                 let m = g.meta(slot);
                 // Content-addressed: a ready copy holds these bytes.
@@ -117,6 +129,7 @@ impl Inner {
             wanted: Vec::new(),
             redirty: Vec::new(),
             evictions: 0,
+            damaged: 0,
         };
         for chunk in chunks_of(shards, LOCK_CHUNK) {
             match self.table.lock() {
@@ -128,6 +141,7 @@ impl Inner {
             }
         }
         add(&self.c.evictions, p.evictions);
+        add(&self.c.corrupt_shards, p.damaged);
         self.wb.add(&p.redirty, false);
         self.lazy_want(p.wanted);
         p.plans
@@ -167,20 +181,36 @@ impl Inner {
             // segments are readable until its task completes.
             let r = unsafe {
                 self.transport
-                    .copy_in(self.table.data(*slot), &s.segs, prerequisite)
+                    .copy_in_summed(self.table.data(*slot), &s.segs, prerequisite)
             };
             results.push(Some(r));
         }
         let mut dirty = Vec::new();
-        if let Ok(mut g) = self.table.lock() {
-            for ((s, slot), r) in items.iter().zip(&results) {
-                if matches!(r, Some(Ok(()))) {
-                    g.fill_done(*slot, true);
-                    dirty.push((s.block, s.index as u32, *slot));
-                } else {
-                    g.drop_entry(*slot);
+        match self.table.lock() {
+            Ok(mut g) => {
+                for ((s, slot), r) in items.iter().zip(&results) {
+                    if let Some(Ok(checksum)) = r {
+                        g.fill_done(*slot, true, *checksum);
+                        dirty.push((s.block, s.index as u32, *slot));
+                    } else {
+                        g.drop_entry(*slot);
+                    }
+                    g.unpin(*slot);
                 }
-                g.unpin(*slot);
+            }
+            Err(e) => {
+                // The slots can't be published, so the shards are in no
+                // tier: the dump fails, and the slots leave the index later.
+                self.table.defer(
+                    items
+                        .iter()
+                        .flat_map(|(_, s)| [Release::Abandon(*s), Release::Unpin(*s)]),
+                );
+                for r in results.iter_mut().flatten() {
+                    if r.is_ok() {
+                        *r = Err(e.clone());
+                    }
+                }
             }
         }
         add(
@@ -209,7 +239,7 @@ impl Inner {
         for r in results {
             match r {
                 None => ctx.skip(&self.c),
-                Some(Ok(())) => ctx.done(&self.c, wb_result.clone()),
+                Some(Ok(_)) => ctx.done(&self.c, wb_result.clone()),
                 Some(Err(e)) => ctx.done(&self.c, Err(e)),
             }
         }
@@ -247,54 +277,44 @@ impl Inner {
     }
 
     /// Writes dirty slots (block, shard, slot) to the backend, waits, and
-    /// on success cleans them.
+    /// on success cleans them. A shard whose slot failed its checksum
+    /// meanwhile is not written, and fails the write: the dump that
+    /// waits for it must not report it stored.
     fn write_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
-        self.finish_blocks(items, self.submit_blocks(items))
-    }
-
-    /// Starts writing dirty slots (block, shard, slot) to the backend. The
-    /// slots stay dirty, so nothing evicts or reuses them, until
-    /// [`Self::finish_blocks`] has waited for the task.
-    pub(super) fn submit_blocks(&self, items: &[(BlockId, u32, u32)]) -> Result<TaskId> {
-        let shards = self.slot_shards(
-            items
-                .iter()
-                .map(|&(b, shard, slot)| (b, shard as usize, slot)),
-        );
-        self.backend.dump(shards, 0)
-    }
-
-    /// Waits for a write started by [`Self::submit_blocks`]; on success,
-    /// counts it and cleans its slots.
-    pub(super) fn finish_blocks(
-        &self,
-        items: &[(BlockId, u32, u32)],
-        task: Result<TaskId>,
-    ) -> Result<()> {
-        let r = task.and_then(|t| self.backend.wait(t));
-        if r.is_ok() {
-            add(
-                &self.c.bytes_dumped_l2,
-                (items.len() * self.cfg.shard_size) as u64,
-            );
-            add(&self.c.write_back_blocks, distinct_blocks(items));
-            self.after_written(items);
+        let (r, skipped) = self.finish_slot_write(self.start_slot_write(items));
+        match skipped.first() {
+            Some(&(block, shard)) if r.is_ok() => {
+                Err(super::integrity::corrupt_slot(block, shard as usize))
+            }
+            _ => r,
         }
-        r
     }
 
-    /// The backend has these slots' bytes: clean them, and drop them if
-    /// the fill policy does not keep dumped blocks.
-    fn after_written(&self, items: &[(BlockId, u32, u32)]) {
+    /// The backend has these slots' bytes: clean those that still hold
+    /// what was written, drop them if the fill policy does not keep dumped
+    /// blocks, and count them. A lock not had is the write's error: the
+    /// slots stay dirty and are written again later (content-addressed,
+    /// so the backend only notes it), never cleaned without the lock.
+    pub(super) fn after_written(&self, items: &[(BlockId, u32, u32)]) -> Result<()> {
         let keep = self.cfg.fill_policy != FillPolicy::NoAllocate;
-        if let Ok(mut g) = self.table.lock() {
-            for &(_, _, slot) in items {
-                g.mark_clean(slot);
-                if !keep {
-                    g.drop_entry(slot);
-                }
+        let mut g = self.table.lock()?;
+        for &(block, shard, slot) in items {
+            let m = g.meta(slot);
+            if m.block != block.0 || m.shard != shard || m.state != READY {
+                continue; // dropped meanwhile (its bytes failed a check)
+            }
+            g.mark_clean(slot);
+            if !keep {
+                g.drop_entry(slot);
             }
         }
+        drop(g);
+        add(
+            &self.c.bytes_dumped_l2,
+            (items.len() * self.cfg.shard_size) as u64,
+        );
+        add(&self.c.write_back_blocks, distinct_blocks(items));
+        Ok(())
     }
 }
 

@@ -7,24 +7,28 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::integrity::SlotLoad;
 use super::stats::add;
-use super::table::{FILLING, FREE, READY};
+use super::table::{Release, FILLING, FREE, READY};
 use super::{chunks_of, staging, FillPolicy, Inner, Runtime, TaskCtx, LOCK_CHUNK};
 use crate::block::{BlockId, ShardIo};
-use crate::error::{Result, UcmError};
+use crate::error::Result;
 use crate::io::AlignedBuf;
 use crate::task::{PoolSender, TaskId};
 
 /// Shards to fill, each with the slot allocated for it.
 type Fills = Vec<(ShardIo, u32)>;
 
+/// Shards to copy out of ready slots: each with its slot and the checksum
+/// its bytes must match.
+type Hits = Vec<(ShardIo, u32, u64)>;
+
 /// Work decided for one shard of a load.
 pub(super) enum LoadPlan {
-    Hit(ShardIo, u32),
+    Hit(ShardIo, u32, u64),
     Wait(ShardIo, u32),
     Fill(ShardIo, u32),
     Bypass(ShardIo),
-    Failed(UcmError),
 }
 
 impl Inner {
@@ -49,25 +53,38 @@ impl Inner {
         let mut plans = Vec::with_capacity(shards.len());
         let mut wanted = Vec::new();
         let mut evictions = 0;
+        let mut damaged = 0;
+        let mut locked = true;
         for chunk in chunks_of(shards, LOCK_CHUNK) {
-            let mut g = match self.table.lock() {
-                Ok(g) => g,
-                Err(e) => {
-                    plans.extend(chunk.iter().map(|_| LoadPlan::Failed(e.clone())));
-                    continue;
-                }
+            // A table that can't be locked (the lock's bound passed) is a
+            // miss: the shards are read from the backend, and the rest of
+            // the load does not wait for the lock again.
+            let g = if locked { self.table.lock().ok() } else { None };
+            locked = g.is_some();
+            let Some(mut g) = g else {
+                plans.extend(chunk.into_iter().map(LoadPlan::Bypass));
+                continue;
             };
             for s in chunk {
                 let shard = s.index as u32;
-                if let Some(slot) = g.find(&s.block, shard) {
+                let found = g.find(&s.block, shard);
+                if let Some(slot) = found.filter(|&slot| g.meta(slot).state != READY) {
                     g.pin(slot);
-                    if g.meta(slot).state == READY {
+                    plans.push(LoadPlan::Wait(s, slot));
+                    continue;
+                }
+                if let Some(slot) = found {
+                    if let Some(sum) = g.checksum_of(slot, &s.block, shard) {
+                        g.pin(slot);
                         g.access(slot);
-                        plans.push(LoadPlan::Hit(s, slot));
-                    } else {
-                        plans.push(LoadPlan::Wait(s, slot));
+                        plans.push(LoadPlan::Hit(s, slot, sum));
+                        continue;
                     }
-                } else if first_loads.contains(&s.block) {
+                    // Its metadata no longer vouches for its bytes: a miss.
+                    g.drop_entry(slot);
+                    damaged += 1;
+                }
+                if first_loads.contains(&s.block) {
                     first_load_shards += 1;
                     plans.push(LoadPlan::Bypass(s));
                 } else if fill {
@@ -84,6 +101,7 @@ impl Inner {
             }
         }
         add(&self.c.evictions, evictions);
+        add(&self.c.corrupt_shards, damaged);
         add(&self.c.first_loads_not_kept, first_load_shards);
         self.read_past_fills(&mut plans);
         (plans, wanted)
@@ -132,15 +150,14 @@ impl Inner {
         add(&self.c.load_shards, n as u64);
         let (plans, wanted) = self.plan_load(shards);
         self.lazy_want(wanted);
-        let (mut hits, mut waits, mut fills, mut bypass): (Vec<_>, Vec<_>, Fills, Vec<_>) =
+        let (mut hits, mut waits, mut fills, mut bypass): (Hits, Vec<_>, Fills, Vec<_>) =
             (vec![], vec![], vec![], vec![]);
         for p in plans {
             match p {
-                LoadPlan::Hit(s, slot) => hits.push((s, slot)),
+                LoadPlan::Hit(s, slot, sum) => hits.push((s, slot, sum)),
                 LoadPlan::Wait(s, slot) => waits.push((s, slot)),
                 LoadPlan::Fill(s, slot) => fills.push((s, slot)),
                 LoadPlan::Bypass(s) => bypass.push(s),
-                LoadPlan::Failed(e) => ctx.done(&self.c, Err(e)),
             }
         }
         add(&self.c.l1_hits, hits.len() as u64);
@@ -172,19 +189,22 @@ impl Inner {
             });
         }
         if !fills.is_empty() {
-            let shards = self.slot_shards(fills.iter().map(|(s, slot)| (s.block, s.index, *slot)));
+            let items: Vec<_> = fills
+                .iter()
+                .map(|(s, slot)| (s.block, s.index, *slot))
+                .collect();
             let unwritten = self.wb.dirty_among(fills.iter().map(|(s, _)| &s.block));
             let (me, ctx2) = (self.clone(), ctx.clone());
             let n = fills.len();
             if unwritten.is_empty() {
-                let submitted = self.backend.load(shards);
+                let submitted = self.start_slot_load(&items, false);
                 self.spawn_or_fail(&rt.waits, &ctx, n, move || {
                     me.finish_fill(&ctx2, submitted, fills)
                 });
             } else {
                 self.spawn_or_fail(&rt.waits, &ctx, n, move || {
                     me.wb.settle(&unwritten, me.deadline(&ctx2));
-                    let submitted = me.backend.load(shards);
+                    let submitted = me.start_slot_load(&items, false);
                     me.finish_fill(&ctx2, submitted, fills)
                 });
             }
@@ -198,9 +218,14 @@ impl Inner {
         task.id()
     }
 
-    pub(super) fn copy_out_hits(&self, ctx: &TaskCtx, items: Vec<(ShardIo, u32)>) {
+    /// Copies ready slots out to the caller, checking each shard's bytes
+    /// against its checksum as they are copied. A shard that fails is a
+    /// miss: its slot is dropped, the wrong bytes are cleared from the
+    /// caller's host memory, and it is read from the backend instead.
+    pub(super) fn copy_out_hits(&self, ctx: &TaskCtx, items: Hits) {
         let mut outcomes = Vec::with_capacity(items.len());
-        for (s, slot) in &items {
+        let mut corrupt = Vec::new();
+        for (s, slot, sum) in &items {
             if ctx.task.should_skip() {
                 outcomes.push(None);
                 continue;
@@ -209,18 +234,55 @@ impl Inner {
             // holds shard_size valid bytes until we unpin; the caller
             // guarantees its segments are writable until the task completes,
             // which happens after this copy.
-            let r = unsafe { self.transport.copy_out(self.table.data(*slot), &s.segs) };
-            if r.is_ok() {
-                add(&self.c.bytes_loaded_l1, self.cfg.shard_size as u64);
+            let r = unsafe {
+                self.transport
+                    .copy_out_summed(self.table.data(*slot), &s.segs)
+            };
+            match r {
+                Ok(got) if got != *sum => {
+                    self.clear_host(s);
+                    corrupt.push((s.block, s.index as u32, *slot));
+                    continue;
+                }
+                Ok(_) => add(&self.c.bytes_loaded_l1, self.cfg.shard_size as u64),
+                Err(_) => {}
             }
-            outcomes.push(Some(r));
+            outcomes.push(Some(r.map(|_| ())));
         }
-        self.unpin_all(items.iter().map(|(_, slot)| *slot));
+        self.discard_corrupt(&corrupt, "by a load");
+        self.unpin_all(items.iter().map(|(_, slot, _)| *slot));
         for o in outcomes {
             match o {
                 Some(r) => ctx.done(&self.c, r),
                 None => ctx.skip(&self.c),
             }
+        }
+        if !corrupt.is_empty() {
+            let misses: Vec<ShardIo> = items
+                .into_iter()
+                .filter(|(s, slot, _)| {
+                    corrupt
+                        .iter()
+                        .any(|c| c.2 == *slot && c.0 == s.block && c.1 == s.index as u32)
+                })
+                .map(|(s, _, _)| s)
+                .collect();
+            add(&self.c.bypass_loads, misses.len() as u64);
+            self.bypass_load(ctx, misses);
+        }
+    }
+
+    /// Zeroes a shard's destination when it is host memory, so bytes that
+    /// failed their check are not left where the caller reads (device
+    /// memory is overwritten by the read that follows, or the load fails).
+    fn clear_host(&self, s: &ShardIo) {
+        if !self.transport.is_host(&s.segs) {
+            return;
+        }
+        for seg in &s.segs {
+            // SAFETY: the caller guarantees its segments are writable until
+            // its task completes, which happens after this.
+            unsafe { std::ptr::write_bytes(seg.addr as *mut u8, 0, seg.len) };
         }
     }
 
@@ -228,16 +290,29 @@ impl Inner {
         add(&self.c.fill_waits, 1);
         let mut pause = Duration::from_micros(20);
         let mut polls = 0u32;
+        let mut checksum = 0;
         loop {
             let state = match self.table.lock() {
                 Ok(mut g) => {
-                    let st = g.meta(slot).state;
+                    let mut st = g.meta(slot).state;
                     if st == READY {
-                        g.access(slot);
+                        match g.checksum_of(slot, &s.block, s.index as u32) {
+                            Some(sum) => {
+                                g.access(slot);
+                                checksum = sum;
+                            }
+                            None => {
+                                // Damaged metadata: a miss, read below.
+                                g.drop_entry(slot);
+                                add(&self.c.corrupt_shards, 1);
+                                st = FREE;
+                            }
+                        }
                     }
                     st
                 }
                 Err(e) => {
+                    self.table.defer([Release::Unpin(slot)]);
                     ctx.done(&self.c, Err(e));
                     return;
                 }
@@ -245,7 +320,7 @@ impl Inner {
             match state {
                 READY => {
                     add(&self.c.l1_hits, 1);
-                    self.copy_out_hits(ctx, vec![(s, slot)]);
+                    self.copy_out_hits(ctx, vec![(s, slot, checksum)]);
                     return;
                 }
                 FILLING => {
@@ -275,28 +350,34 @@ impl Inner {
         }
     }
 
-    pub(super) fn finish_fill(
-        &self,
-        ctx: &TaskCtx,
-        submitted: Result<TaskId>,
-        fills: Vec<(ShardIo, u32)>,
-    ) {
-        let res = submitted.and_then(|t| self.backend.wait(t));
-        if let Ok(mut g) = self.table.lock() {
-            for (_, slot) in &fills {
-                if res.is_ok() {
-                    g.fill_done(*slot, false);
-                } else {
-                    g.drop_entry(*slot);
+    pub(super) fn finish_fill(&self, ctx: &TaskCtx, submitted: SlotLoad, fills: Fills) {
+        let res = self.finish_slot_load(submitted);
+        match self.table.lock() {
+            Ok(mut g) => {
+                for (i, (_, slot)) in fills.iter().enumerate() {
+                    match &res {
+                        Ok(sums) => g.fill_done(*slot, false, sums[i]),
+                        Err(_) => g.drop_entry(*slot),
+                    }
                 }
             }
+            // The slots can't be published: they leave the index later.
+            // Their bytes are still ours (FILLING, pinned) to copy out.
+            Err(_) => self
+                .table
+                .defer(fills.iter().map(|(_, slot)| Release::Abandon(*slot))),
         }
         match res {
-            Ok(()) => {
+            Ok(sums) => {
                 let n = fills.len() as u64;
                 add(&self.c.l2_hits, n);
                 add(&self.c.bytes_loaded_l2, n * self.cfg.shard_size as u64);
-                self.copy_out_hits(ctx, fills);
+                let hits = fills
+                    .into_iter()
+                    .zip(sums)
+                    .map(|((s, slot), sum)| (s, slot, sum))
+                    .collect();
+                self.copy_out_hits(ctx, hits);
             }
             Err(e) => {
                 add(&self.c.l2_misses, fills.len() as u64);
@@ -360,7 +441,7 @@ impl Inner {
         let queued =
             res.is_ok() && fill_pool.is_some_and(|p| p.spawn(move || me.fill_slots(slots)));
         if !queued {
-            self.end_fills(ends, false);
+            self.end_fills(&ends, None);
         }
     }
 
@@ -368,15 +449,12 @@ impl Inner {
     /// the index if the read failed).
     fn fill_slots(&self, slots: Vec<(BlockId, usize, u32)>) {
         let n = slots.len() as u64;
-        let shards = self.slot_shards(slots.iter().copied());
-        let filled = self
-            .backend
-            .load_in_background(shards)
-            .and_then(|t| self.backend.wait(t));
+        let filled = self.finish_slot_load(self.start_slot_load(&slots, true));
         if filled.is_ok() {
             add(&self.c.fills_after_load, n);
         }
-        self.end_fills(slots.iter().map(|&(_, _, slot)| slot), filled.is_ok());
+        let ends: Vec<u32> = slots.iter().map(|&(_, _, slot)| slot).collect();
+        self.end_fills(&ends, filled.ok().as_deref());
     }
 
     /// Loads shards straight from the backend: into the caller's memory

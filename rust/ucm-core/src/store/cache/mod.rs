@@ -12,18 +12,22 @@
 //! * [`transport`]: memcpy, or CUDA async copies on the cache's own streams
 //!   when the caller's memory is on a GPU.
 //! * [`writeback`]: what is dirty, retries with backoff, flush.
+//! * [`integrity`]: each slot's checksum, where it comes from and what a
+//!   slot that fails it becomes (a miss).
 //!
 //! # Read path
 //!
 //! `load` classifies every shard under the table lock: a **hit** (ready
-//! slot) is pinned and copied out by a copy thread; a shard another task is
-//! **filling** is pinned and waited for (so two loads of a missing shard
-//! read the backend once, and nobody reads half-written memory), except
-//! that a local backend holding the block is read instead: such a fill is
-//! mostly the slow background one after an earlier load, and waiting for it
-//! would make the load slower than the backend alone; a **miss**
-//! takes a slot in state FILLING and all misses of the task go to the
-//! backend in one `load` aimed at the slots, then are copied out. When
+//! slot) is pinned and copied out by a copy thread, which checks the bytes
+//! against the slot's checksum as it copies them (a slot that fails is
+//! dropped and its shard read from the backend instead); a shard another
+//! task is **filling** is pinned and waited for (so two loads of a missing
+//! shard read the backend once, and nobody reads half-written memory),
+//! except that a local backend holding the block is read instead: such a
+//! fill is mostly the slow background one after an earlier load, and
+//! waiting for it would make the load slower than the backend alone; a
+//! **miss** takes a slot in state FILLING and all misses of the task go to
+//! the backend in one `load` aimed at the slots, then are copied out. When
 //! `fill_policy` says not to keep load misses, or no slot can be taken
 //! (every slot pinned or dirty), the shard is loaded into a staging buffer
 //! instead (**bypass**). Under the default `reuse_allocate`, a block that a
@@ -37,17 +41,21 @@
 //!
 //! # Write path
 //!
-//! `dump` copies each new shard into a fresh slot, marks it READY and dirty
+//! `dump` copies each new shard into a fresh slot (hashing the engine's
+//! bytes in the same pass: the slot's checksum), marks it READY and dirty
 //! (dirty slots are never evicted), then per `write_back_policy`: `sync`
 //! writes the task's shards to the backend before completing; `async`
 //! completes at once and queues them for the write-back thread, which
 //! batches; `lazy` completes at once and leaves them until eviction wants
 //! the slot, or `flush`/`close`. Shards already cached are not written again
-//! (blocks are content-addressed). A shard that finds no slot, or one being
-//! filled concurrently, is written through a staging buffer to the backend
-//! directly and its task completes only once the backend has it. A failed
-//! backend write leaves the shard dirty, counted and retried (see
-//! [`writeback`]); `flush` reports what still fails; `close` flushes.
+//! (blocks are content-addressed). A write-back checks each slot against
+//! its checksum, skips (and drops) one that fails, and hands the checksum
+//! down with the slot so the backend stores it unchanged. A shard that
+//! finds no slot, or one being filled concurrently, is written through a
+//! staging buffer to the backend directly and its task completes only
+//! once the backend has it. A failed backend write leaves the shard dirty,
+//! counted and retried (see [`writeback`]); `flush` reports what still
+//! fails; `close` flushes.
 //!
 //! # Threads
 //!
@@ -61,6 +69,7 @@
 mod admission;
 mod config;
 mod dump;
+mod integrity;
 mod load;
 mod lookup;
 pub mod policy;
@@ -86,7 +95,7 @@ use parking_lot::Mutex;
 
 use self::progress::{InFlight, TaskCtx};
 use self::stats::Counters;
-use self::table::{Geometry, Table};
+use self::table::{Geometry, Release, Table};
 use self::transport::Transport;
 use self::writeback::WriteBack;
 use super::{Store, StoreDebug, StoreFacts, StoreStats};
@@ -169,10 +178,11 @@ impl CacheStore {
             cfg.eviction_policy,
         );
         let geo_slots = geo.n_slots;
+        let lock_wait = table::lock_wait(cfg.timeout_ms);
         let table = if cfg.share_buffer_enable {
-            Table::shared(&cfg.unique_id, geo, cfg.share_buffer_keep)?
+            Table::shared(&cfg.unique_id, geo, cfg.share_buffer_keep, lock_wait)?
         } else {
-            Table::private(geo)?
+            Table::private(geo, lock_wait)?
         };
         let transport = Transport::new(
             cfg.device_id,
@@ -294,12 +304,10 @@ impl Inner {
         self.cfg.device_id >= 0
     }
 
+    /// Drops our pins on `slots` (later, if the lock can't be had now).
     fn unpin_all(&self, slots: impl IntoIterator<Item = u32>) {
-        if let Ok(mut g) = self.table.lock() {
-            for s in slots {
-                g.unpin(s);
-            }
-        }
+        self.table
+            .release(slots.into_iter().map(Release::Unpin).collect());
     }
 
     fn slot_seg(&self, slot: u32) -> MemSeg {
@@ -337,18 +345,26 @@ impl Inner {
             .collect()
     }
 
-    /// Ends background fills of `slots`: ready when `filled`, otherwise
-    /// out of the index; unpinned either way.
-    fn end_fills(&self, slots: impl IntoIterator<Item = u32>, filled: bool) {
-        if let Ok(mut g) = self.table.lock() {
-            for slot in slots {
-                if filled {
-                    g.fill_done(slot, false);
-                } else {
-                    g.drop_entry(slot);
+    /// Ends background fills of `slots`: ready, with their checksums,
+    /// when `filled` has them, otherwise out of the index; unpinned either
+    /// way.
+    /// A lock not had leaves them out of the index (later).
+    fn end_fills(&self, slots: &[u32], filled: Option<&[u64]>) {
+        match self.table.lock() {
+            Ok(mut g) => {
+                for (i, &slot) in slots.iter().enumerate() {
+                    match filled.and_then(|sums| sums.get(i)) {
+                        Some(&sum) => g.fill_done(slot, false, sum),
+                        None => g.drop_entry(slot),
+                    }
+                    g.unpin(slot);
                 }
-                g.unpin(slot);
             }
+            Err(_) => self.table.defer(
+                slots
+                    .iter()
+                    .flat_map(|&s| [Release::Abandon(s), Release::Unpin(s)]),
+            ),
         }
     }
 
@@ -367,10 +383,7 @@ impl Inner {
                     Vec::new()
                 }
             }
-            Err(e) => {
-                log::warn!("cache housekeeping: {e}");
-                return;
-            }
+            Err(_) => return, // logged by the lock; tried again in a second
         };
         if !orphans.is_empty() {
             log::warn!(
@@ -529,6 +542,12 @@ impl Store for CacheStore {
         );
         if let Some(p) = self.shm_path() {
             m.insert("shm_path".into(), p.to_string());
+            // Where the slot table and its lock lie in the segment file, for tools
+            // (and tests) that look into a segment.
+            let t = self.inner.table.geometry().slot_table();
+            m.insert("shm_slot_table".into(), format!("{}..{}", t.start, t.end));
+            let l = self.inner.table.geometry().lock_bytes();
+            m.insert("shm_lock".into(), format!("{}..{}", l.start, l.end));
         }
         for (k, v) in self.inner.backend.describe() {
             m.insert(format!("backend.{k}"), v);
@@ -547,9 +566,14 @@ impl StoreDebug for CacheStore {
     }
 
     /// Takes the table lock and never returns (the process is expected to
-    /// be killed), to exercise recovery from a dead lock owner.
+    /// be killed), to exercise recovery from a dead lock owner and the
+    /// bound on waits for a live one.
     fn hold_lock_forever(&self) -> bool {
-        let _g = self.inner.table.lock();
+        let _g = loop {
+            if let Ok(g) = self.inner.table.lock() {
+                break g;
+            }
+        };
         loop {
             std::thread::sleep(Duration::from_secs(3600));
         }

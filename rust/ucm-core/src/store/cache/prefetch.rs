@@ -61,15 +61,15 @@ impl Inner {
         if fills.is_empty() {
             return;
         }
-        let shards = self.slot_shards(
-            fills
-                .iter()
-                .map(|&(b, shard, slot)| (b, shard as usize, slot)),
-        );
-        let res = self.backend.load(shards).and_then(|t| self.backend.wait(t));
-        self.end_fills(fills.iter().map(|&(_, _, slot)| slot), res.is_ok());
+        let items: Vec<_> = fills
+            .iter()
+            .map(|&(b, shard, slot)| (b, shard as usize, slot))
+            .collect();
+        let res = self.finish_slot_load(self.start_slot_load(&items, false));
+        let slots: Vec<u32> = fills.iter().map(|&(_, _, slot)| slot).collect();
+        self.end_fills(&slots, res.as_deref().ok());
         match res {
-            Ok(()) => {
+            Ok(_) => {
                 add(&self.c.prefetch_shards, fills.len() as u64);
                 add(
                     &self.c.bytes_loaded_l2,

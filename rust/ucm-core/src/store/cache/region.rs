@@ -4,7 +4,10 @@
 //! Both are plain `mmap`s, so the rest of the cache sees one byte range
 //! either way. Anonymous mappings use `MAP_NORESERVE`: the data area is
 //! committed page by page as slots are first written, so a large
-//! `cache_buffer_capacity_gb` costs nothing until it is used.
+//! `cache_buffer_capacity_gb` costs nothing until it is used. A shared
+//! object's pages are reserved in `/dev/shm` when it is created
+//! ([`ShmObject::create`]): a page it could not get when first written
+//! would be a SIGBUS.
 
 use std::ffi::CString;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -139,8 +142,8 @@ impl ShmObject {
         })
     }
 
-    /// Creates the object exclusively with `len` bytes; `None` if it
-    /// already exists.
+    /// Creates the object exclusively with `len` bytes, all of them
+    /// reserved ([`Self::reserve`]); `None` if it already exists.
     pub fn create(&self, len: usize) -> Result<Option<OwnedFd>> {
         // SAFETY: `name` is a valid C string for the call.
         let fd = unsafe {
@@ -167,7 +170,7 @@ impl ShmObject {
             return Err(UcmError::os("ftruncate", &self.path, e));
         }
         let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
-        if let Err(e) = fstat(raw, &self.path).and_then(|st| self.check_room(raw, &st)) {
+        if let Err(e) = self.reserve(raw) {
             self.unlink();
             return Err(e);
         }
@@ -190,20 +193,58 @@ impl ShmObject {
         let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
         let st = fstat(raw, &self.path)?;
         self.check_private(&st)?;
-        self.check_room(raw, &st)?;
         Ok(Some(fd))
     }
 
-    /// Refuses a segment whose pages not yet allocated would not fit in
-    /// the free space of its file system. The segment is sparse: a page is
-    /// taken from `/dev/shm` when first written, and a write that finds it
-    /// full is a SIGBUS, which kills the process long after start-up (kept
-    /// segments of other deployments are what usually fill it). Reserving
-    /// the whole segment instead (`fallocate`) would commit all of its
-    /// memory at start-up. Space taken by other programs later can still
-    /// run out; this catches the state the host is in when the engine starts.
-    /// `st` is the segment's `fstat`.
-    fn check_room(&self, fd: RawFd, st: &libc::stat) -> Result<()> {
+    /// Reserves what is not yet reserved of a segment another process
+    /// created (`fd`, whose layout is ours): one we created is reserved
+    /// whole, but a segment is checked again rather than trusted.
+    pub fn reserve_rest(&self, fd: RawFd) -> Result<()> {
+        if unreserved(&fstat(fd, &self.path)?) > 0 {
+            self.reserve(fd)?;
+        }
+        Ok(())
+    }
+
+    /// Reserves every page of the segment (`fd`, sized already) in its
+    /// file system (`fallocate`), or refuses it, naming the figures, when
+    /// the file system cannot hold it. A segment is otherwise sparse: a
+    /// page is taken from `/dev/shm` when first written, and a write that
+    /// finds it full is a SIGBUS, which kills the process long after
+    /// start-up, whoever filled it (kept segments of other deployments,
+    /// any program). Reserved pages are allocated but not zeroed until
+    /// first touched. A file system that cannot reserve has its free
+    /// space checked instead, which catches the state the host is in at
+    /// start-up only.
+    fn reserve(&self, fd: RawFd) -> Result<()> {
+        let st = fstat(fd, &self.path)?;
+        let needed = unreserved(&st);
+        loop {
+            // SAFETY: plain syscall on a descriptor the caller owns.
+            if unsafe { libc::fallocate(fd, 0, 0, st.st_size) } == 0 {
+                return Ok(());
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EOPNOTSUPP | libc::ENOSYS) => {
+                    let free = self.free_bytes(fd)?;
+                    return if needed > free {
+                        Err(self.no_room(needed, free))
+                    } else {
+                        Ok(())
+                    };
+                }
+                Some(libc::ENOSPC | libc::EFBIG | libc::EDQUOT) => {
+                    return Err(self.no_room(needed, self.free_bytes(fd)?));
+                }
+                _ => return Err(UcmError::os("fallocate", &self.path, e)),
+            }
+        }
+    }
+
+    /// Bytes free (for unprivileged users) in the segment's file system.
+    fn free_bytes(&self, fd: RawFd) -> Result<u64> {
         // SAFETY: plain data, for which all zeroes is a valid value.
         let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: `fd` is a valid descriptor the caller owns; `fs` is a
@@ -215,22 +256,22 @@ impl ShmObject {
                 std::io::Error::last_os_error(),
             ));
         }
-        let allocated = (st.st_blocks as u64).saturating_mul(512);
-        let needed = (st.st_size as u64).saturating_sub(allocated);
-        let free = (fs.f_bavail as u64).saturating_mul(fs.f_frsize as u64);
-        if needed > free {
-            const MIB: u64 = 1 << 20;
-            return Err(UcmError::NoSpace(format!(
-                "shared cache segment {} needs {} MiB more of its file system, which has {} \
-                 MiB free: the process would crash (SIGBUS) once the cache filled; remove \
-                 segments no process uses (ls -l /dev/shm/ucm_cache_*) or lower \
-                 cache_buffer_capacity_gb",
-                self.path,
-                needed.div_ceil(MIB),
-                free / MIB
-            )));
-        }
-        Ok(())
+        Ok((fs.f_bavail as u64).saturating_mul(fs.f_frsize as u64))
+    }
+
+    /// The refusal of a segment that needs `needed` more bytes of a file
+    /// system with `free` bytes free.
+    fn no_room(&self, needed: u64, free: u64) -> UcmError {
+        const MIB: u64 = 1 << 20;
+        UcmError::NoSpace(format!(
+            "shared cache segment {} needs {} MiB more of its file system, which has {} MiB \
+             free: its memory is reserved at start-up so that a full /dev/shm can never crash \
+             the process (SIGBUS) later; remove segments no process uses (ls -l \
+             /dev/shm/ucm_cache_*) or lower cache_buffer_capacity_gb",
+            self.path,
+            needed.div_ceil(MIB),
+            free / MIB
+        ))
     }
 
     /// Refuses an object another user owns or may open: `/dev/shm` is
@@ -262,6 +303,25 @@ impl ShmObject {
     pub fn unlink(&self) {
         // SAFETY: `name` is a valid C string for the call.
         unsafe { libc::shm_unlink(self.name.as_ptr()) };
+    }
+
+    /// Removes the name if it still names the object open as `fd`: two
+    /// processes that both found the object unusable must not have the
+    /// later one remove the replacement the earlier one just made. (Only
+    /// a much narrower race remains: both checking before either
+    /// unlinks.)
+    pub fn unlink_if_same(&self, fd: RawFd) {
+        let Ok(ours) = fstat(fd, &self.path) else {
+            return;
+        };
+        let named = match std::fs::metadata(&self.path) {
+            Ok(m) => m,
+            Err(_) => return, // gone already
+        };
+        use std::os::unix::fs::MetadataExt;
+        if named.dev() == ours.st_dev && named.ino() == ours.st_ino {
+            self.unlink();
+        }
     }
 }
 
@@ -301,6 +361,12 @@ pub fn resident_runs(addr: *const u8, len: usize) -> Result<Vec<(usize, usize)>>
         }
     }
     Ok(runs)
+}
+
+/// Bytes of a file (`st`, its `fstat`) not yet backed by its file system.
+fn unreserved(st: &libc::stat) -> u64 {
+    let allocated = (st.st_blocks as u64).saturating_mul(512);
+    (st.st_size as u64).saturating_sub(allocated)
 }
 
 /// Size of the object behind `fd`.

@@ -111,6 +111,9 @@ pub struct Counters {
     pub prefetch_shards: AtomicU64,
     pub write_back_blocks: AtomicU64,
     pub write_back_failures: AtomicU64,
+    /// Shards whose slot failed its checksum (or whose metadata no longer
+    /// vouched for it), dropped as misses.
+    pub corrupt_shards: AtomicU64,
     pub lookups: AtomicU64,
     pub lookup_l1_hits: AtomicU64,
     pub lookup_l2_hits: AtomicU64,
@@ -165,6 +168,12 @@ impl super::Inner {
         put("prefetch_shards", get(&c.prefetch_shards) as f64);
         put("write_back_blocks", get(&c.write_back_blocks) as f64);
         put("write_back_failures", get(&c.write_back_failures) as f64);
+        put("corrupt_shards", get(&c.corrupt_shards) as f64);
+        put(
+            "slots_discarded_at_join",
+            self.table.discarded_at_join() as f64,
+        );
+        put("lock_failures", self.table.lock_failures() as f64);
         put("dirty_blocks", self.wb.dirty_blocks() as f64);
         put("lookups", get(&c.lookups) as f64);
         put("lookup_l1_hits", get(&c.lookup_l1_hits) as f64);

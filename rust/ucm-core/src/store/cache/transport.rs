@@ -14,6 +14,12 @@
 //!   caller's `prerequisite_handle` (a `cudaEvent_t` recorded after the
 //!   kernels that produced the KV), so it never reads half-written memory.
 //!
+//! Dumps and loads hash the shard's bytes as they move (the checksum of
+//! [`crate::store::format::layout`], which each slot carries): on the host
+//! path in the same pass as the copy, a piece at a time, each piece hashed
+//! from the CPU cache right after it is copied (see [`copy_hashing`]); on
+//! the CUDA path from the slot's host memory once the copy is done.
+//!
 //! The runtime is found with `dlopen` (`libcudart.so`, then versioned
 //! names), so there is no link-time dependency: on a machine without CUDA
 //! the host path runs and nothing else changes. Which path a transfer takes
@@ -25,7 +31,35 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::block::MemSeg;
 use crate::error::{Result, UcmError};
+use crate::hashing::xxh3::{xxh3_64, Xxh3Stream};
 use crate::io::bulk_copy::bulk_copy;
+
+/// Bytes copied, then hashed, at a time by [`copy_hashing`]: small enough
+/// to be still in the CPU's cache when hashed, large enough for the copy
+/// to stream.
+const HASH_PIECE: usize = 64 << 10;
+
+/// Copies `len` bytes from `src` to `dst` and feeds the source bytes to
+/// `h`, a piece at a time: each piece is hashed right after it was copied,
+/// from the cache, so the two cost one pass over memory. The source is
+/// read twice: the hash describes it as it was after the copy, so a byte
+/// that changed before or during the copy is seen by the hash too (it
+/// would have to change back in between to escape it).
+///
+/// # Safety
+/// As for [`bulk_copy`].
+unsafe fn copy_hashing(dst: *mut u8, src: *const u8, len: usize, h: &mut Xxh3Stream) {
+    let mut off = 0;
+    while off < len {
+        let n = HASH_PIECE.min(len - off);
+        // SAFETY: [off, off + n) lies within both ranges of the caller's.
+        unsafe {
+            bulk_copy(dst.add(off), src.add(off), n);
+            h.update(std::slice::from_raw_parts(src.add(off), n));
+        }
+        off += n;
+    }
+}
 
 /// Whether caller addresses are device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -311,6 +345,63 @@ impl Transport {
         Ok(())
     }
 
+    /// [`Self::copy_in`], returning the checksum of the bytes copied,
+    /// computed from the caller's memory (host path) or from the slot
+    /// right after the device copy (CUDA path).
+    ///
+    /// # Safety
+    /// As for [`Self::copy_in`].
+    pub unsafe fn copy_in_summed(
+        &self,
+        slot: *mut u8,
+        segs: &[MemSeg],
+        prerequisite: u64,
+    ) -> Result<u64> {
+        if let Some(cuda) = self.device_path(segs) {
+            let len = segs.iter().map(|s| s.len).sum();
+            // SAFETY: forwarded caller contract; the copy is complete when
+            // it returns, and the slot is ours alone.
+            unsafe {
+                cuda.copy(slot, segs, prerequisite, true)?;
+                return Ok(xxh3_64(std::slice::from_raw_parts(slot, len)));
+            }
+        }
+        let mut h = Xxh3Stream::new();
+        let mut off = 0;
+        for s in segs {
+            // SAFETY: per the contract, source valid for s.len bytes and the
+            // destination range lies inside the slot.
+            unsafe { copy_hashing(slot.add(off), s.addr as *const u8, s.len, &mut h) };
+            off += s.len;
+        }
+        Ok(h.digest())
+    }
+
+    /// [`Self::copy_out`], returning the checksum of the slot's bytes as
+    /// copied (hashed in the same pass on the host, after the device copy
+    /// on the CUDA path), for the caller to check before it trusts them.
+    ///
+    /// # Safety
+    /// As for [`Self::copy_out`].
+    pub unsafe fn copy_out_summed(&self, slot: *const u8, segs: &[MemSeg]) -> Result<u64> {
+        if let Some(cuda) = self.device_path(segs) {
+            let len = segs.iter().map(|s| s.len).sum();
+            // SAFETY: forwarded caller contract.
+            unsafe {
+                cuda.copy(slot as *mut u8, segs, 0, false)?;
+                return Ok(xxh3_64(std::slice::from_raw_parts(slot, len)));
+            }
+        }
+        let mut h = Xxh3Stream::new();
+        let mut off = 0;
+        for s in segs {
+            // SAFETY: per the contract.
+            unsafe { copy_hashing(s.addr as *mut u8, slot.add(off), s.len, &mut h) };
+            off += s.len;
+        }
+        Ok(h.digest())
+    }
+
     /// Copies `slot` out into caller memory `segs` (a load).
     ///
     /// # Safety
@@ -405,5 +496,38 @@ mod tests {
         // SAFETY: as above.
         unsafe { t.copy_out(slot.as_ptr(), &out).unwrap() };
         assert_eq!(c, slot);
+    }
+
+    /// The checksums of copies in and out are the block format's
+    /// (xxh3-64 of the shard's bytes), whatever the segments and however
+    /// many pieces the copy takes.
+    #[test]
+    fn summed_copies_return_the_shard_checksum() {
+        let t = Transport::new(0, DeviceMemory::No, 1, (std::ptr::null_mut(), 0)).unwrap();
+        let len = 3 * HASH_PIECE + 12345;
+        let src: Vec<u8> = (0..len).map(|i| (i * 31 + i / 977) as u8).collect();
+        let (a, b) = src.split_at(HASH_PIECE + 7);
+        let mut slot = vec![0u8; len];
+        // SAFETY: all buffers are live and sized as described.
+        let sum = unsafe {
+            t.copy_in_summed(slot.as_mut_ptr(), &[MemSeg::of(a), MemSeg::of(b)], 0)
+                .unwrap()
+        };
+        assert_eq!(slot, src);
+        assert_eq!(sum, xxh3_64(&src));
+        let mut out = vec![0u8; len];
+        // SAFETY: as above.
+        let back = unsafe {
+            t.copy_out_summed(slot.as_ptr(), &[MemSeg::of_mut(&mut out)])
+                .unwrap()
+        };
+        assert_eq!((back, &out), (sum, &src));
+        slot[len / 2] ^= 1;
+        // SAFETY: as above.
+        let flipped = unsafe {
+            t.copy_out_summed(slot.as_ptr(), &[MemSeg::of_mut(&mut out)])
+                .unwrap()
+        };
+        assert_ne!(flipped, sum, "a flipped byte changes the checksum");
     }
 }

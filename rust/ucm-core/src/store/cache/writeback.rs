@@ -37,6 +37,9 @@ use parking_lot::{Condvar, Mutex};
 use crate::block::BlockId;
 use crate::error::UcmError;
 
+/// Blocks a failed flush names in its error.
+const FLUSH_ERROR_NAMES: usize = 8;
+
 /// First retry delay after a failed write.
 pub const BASE_BACKOFF: Duration = Duration::from_millis(50);
 
@@ -359,6 +362,20 @@ impl State {
         }
         failed
     }
+
+    /// Forgets dirty shards that can never be written (their slot was
+    /// dropped: it failed its checksum); a block left with none is no
+    /// longer dirty here.
+    pub fn forget(&mut self, shards: &[(BlockId, u32)]) {
+        for (b, sh) in shards {
+            if let Some(e) = self.dirty.get_mut(b) {
+                e.shards.remove(sh);
+                if e.shards.is_empty() && !e.inflight {
+                    self.dirty.remove(b);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -532,12 +549,12 @@ mod thread {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
+    use super::super::integrity::SlotWrite;
     use super::super::stats::add;
     use super::super::{Inner, WriteBackPolicy, HOUSEKEEPING};
-    use super::{Batch, Schedule};
+    use super::{Batch, Schedule, FLUSH_ERROR_NAMES};
     use crate::block::BlockId;
     use crate::error::{Result, UcmError};
-    use crate::task::TaskId;
 
     /// Write-back batches submitted to the backend and not yet waited for.
     /// Two keep the backend busy across one batch's tail; more only
@@ -560,7 +577,7 @@ mod thread {
             // publication, then the next submission): a flush of many
             // batches reached about two thirds of the backend's own dump
             // speed.
-            let mut writing: VecDeque<(Batch, Result<TaskId>)> = VecDeque::new();
+            let mut writing: VecDeque<(Batch, SlotWrite)> = VecDeque::new();
             loop {
                 if self.cfg.share_buffer_enable && last_housekeeping.elapsed() >= HOUSEKEEPING {
                     self.housekeep();
@@ -584,25 +601,33 @@ mod thread {
                 };
                 match taken {
                     Some(batch) => {
-                        let task = self.submit_blocks(&batch.items);
-                        writing.push_back((batch, task));
+                        let write = self.start_slot_write(&batch.items);
+                        writing.push_back((batch, write));
                     }
                     None => {
-                        if let Some((batch, task)) = writing.pop_front() {
-                            let res = self.finish_blocks(&batch.items, task);
-                            self.record_written(batch, res, max_backoff);
+                        if let Some((batch, write)) = writing.pop_front() {
+                            let (res, skipped) = self.finish_slot_write(write);
+                            self.record_written(batch, res, &skipped, max_backoff);
                         }
                     }
                 }
             }
         }
 
-        /// Records a finished write: the entries' outcome, the failure
-        /// count, and a wake-up for flushes waiting on it.
-        fn record_written(&self, batch: Batch, res: Result<()>, max_backoff: Duration) {
+        /// Records a finished write: the entries' outcome (shards
+        /// `skipped` leave them whatever it was), the failure count, and a
+        /// wake-up for flushes waiting on it.
+        fn record_written(
+            &self,
+            batch: Batch,
+            res: Result<()>,
+            skipped: &[(BlockId, u32)],
+            max_backoff: Duration,
+        ) {
             let n = batch.items.len();
             let mut st = self.wb.state.lock();
             let failed = st.written(batch.blocks, batch.gen, &res, max_backoff);
+            st.forget(skipped);
             add(&self.c.write_back_failures, failed);
             if let Err(e) = &res {
                 log::warn!(
@@ -632,19 +657,33 @@ mod thread {
                     .progress
                     .wait_for(&mut st, Duration::from_millis(100));
             }
-            let failed: Vec<&super::Entry> = keys.iter().filter_map(|k| st.dirty.get(k)).collect();
+            let failed: Vec<(&BlockId, &super::Entry)> = keys
+                .iter()
+                .filter_map(|k| st.dirty.get(k).map(|e| (k, e)))
+                .collect();
             if failed.is_empty() {
                 return Ok(());
             }
             let first = failed
                 .iter()
-                .find_map(|e| e.last_error.clone())
+                .find_map(|(_, e)| e.last_error.clone())
                 .map_or_else(|| "not attempted".to_string(), |e| e.to_string());
+            // Named, so an operator can find them in the logs and the store;
+            // a few are enough to search for.
+            let mut names: Vec<String> = failed
+                .iter()
+                .take(FLUSH_ERROR_NAMES)
+                .map(|(k, _)| k.hex())
+                .collect();
+            if failed.len() > FLUSH_ERROR_NAMES {
+                names.push(format!("and {} more", failed.len() - FLUSH_ERROR_NAMES));
+            }
             Err(UcmError::TaskFailed(format!(
                 "flush: {} block(s) could not be written to the {} backend and stay dirty in \
-             the cache (retried with backoff); first error: {first}",
+             the cache (retried with backoff): {}; first error: {first}",
                 failed.len(),
-                self.backend.name()
+                self.backend.name(),
+                names.join(", ")
             )))
         }
     }

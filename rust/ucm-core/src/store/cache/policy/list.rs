@@ -4,9 +4,32 @@
 //! of its state and one [`Head`] (head, tail, length words) per list. Several
 //! lists may share the same link arrays as long as each slot is on at most
 //! one of them (S3-FIFO's small and main queues do).
+//!
+//! The words live in the cache's region, which in shared mode other
+//! processes can damage: every access goes through [`get`] and [`set`],
+//! which treat a position outside the state as "no slot" and ignore writes
+//! to it, so damaged links cost eviction order (rebuilt when the table is
+//! next checked), never a panic. Walks are bounded by their callers.
 
 /// "No slot".
 pub const NIL: u32 = u32::MAX;
+
+/// Word `i` of the state, or [`NIL`] when `i` lies outside it.
+pub fn get(w: &[u32], i: usize) -> u32 {
+    w.get(i).copied().unwrap_or(NIL)
+}
+
+/// Sets word `i` of the state; a position outside it is ignored.
+pub fn set(w: &mut [u32], i: usize, v: u32) {
+    if let Some(x) = w.get_mut(i) {
+        *x = v;
+    }
+}
+
+/// Position `base + s`, saturating (a damaged `s` lands outside the state).
+fn at(base: usize, s: u32) -> usize {
+    base.saturating_add(s as usize)
+}
 
 /// Where a list's link arrays and header words are.
 #[derive(Clone, Copy)]
@@ -40,63 +63,63 @@ impl List {
 
     /// Empties the list (links of its members are left as they are).
     pub fn clear(self, w: &mut [u32]) {
-        w[self.head] = NIL;
-        w[self.tail] = NIL;
-        w[self.len] = 0;
+        set(w, self.head, NIL);
+        set(w, self.tail, NIL);
+        set(w, self.len, 0);
     }
 
     /// Oldest slot, if any.
     pub fn tail(self, w: &[u32]) -> Option<u32> {
-        let t = w[self.tail];
+        let t = get(w, self.tail);
         (t != NIL).then_some(t)
     }
 
     /// Number of slots on the list.
     pub fn len(self, w: &[u32]) -> u32 {
-        w[self.len]
+        get(w, self.len)
     }
 
     /// The slot one step toward the head from `s` (NIL at the head).
     pub fn toward_head(self, w: &[u32], s: u32) -> u32 {
-        w[self.prev + s as usize]
+        get(w, at(self.prev, s))
     }
 
     /// Pushes `s` (not on any list sharing these links) at the head.
     pub fn push_front(self, w: &mut [u32], s: u32) {
-        let old = w[self.head];
-        w[self.prev + s as usize] = NIL;
-        w[self.next + s as usize] = old;
+        let old = get(w, self.head);
+        set(w, at(self.prev, s), NIL);
+        set(w, at(self.next, s), old);
         if old != NIL {
-            w[self.prev + old as usize] = s;
+            set(w, at(self.prev, old), s);
         } else {
-            w[self.tail] = s;
+            set(w, self.tail, s);
         }
-        w[self.head] = s;
-        w[self.len] += 1;
+        set(w, self.head, s);
+        set(w, self.len, get(w, self.len).wrapping_add(1));
     }
 
     /// Unlinks `s`, which is on this list.
     pub fn unlink(self, w: &mut [u32], s: u32) {
-        let p = w[self.prev + s as usize];
-        let n = w[self.next + s as usize];
+        let p = get(w, at(self.prev, s));
+        let n = get(w, at(self.next, s));
         if p != NIL {
-            w[self.next + p as usize] = n;
+            set(w, at(self.next, p), n);
         } else {
-            w[self.head] = n;
+            set(w, self.head, n);
         }
         if n != NIL {
-            w[self.prev + n as usize] = p;
+            set(w, at(self.prev, n), p);
         } else {
-            w[self.tail] = p;
+            set(w, self.tail, p);
         }
-        w[self.prev + s as usize] = NIL;
-        w[self.next + s as usize] = NIL;
-        w[self.len] -= 1;
+        set(w, at(self.prev, s), NIL);
+        set(w, at(self.next, s), NIL);
+        set(w, self.len, get(w, self.len).saturating_sub(1));
     }
 
     /// Moves `s` (on this list) to the head.
     pub fn move_to_front(self, w: &mut [u32], s: u32) {
-        if w[self.head] != s {
+        if get(w, self.head) != s {
             self.unlink(w, s);
             self.push_front(w, s);
         }

@@ -31,10 +31,11 @@ pub fn remove(w: &mut [u32], n: u32, slot: u32) {
 }
 
 /// Walks from the tail toward the head; the first acceptable slot goes.
+/// At most `n` steps: damaged links may loop.
 pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
     let l = list(n);
     let mut cur = l.tail(w)?;
-    loop {
+    for _ in 0..n {
         if can_evict(cur) {
             l.unlink(w, cur);
             return Some(cur);
@@ -44,4 +45,5 @@ pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Op
             return None;
         }
     }
+    None
 }

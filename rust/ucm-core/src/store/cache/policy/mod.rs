@@ -229,6 +229,33 @@ mod tests {
         f(&mut p)
     }
 
+    /// State words damaged by anything (in shared mode another process can
+    /// write them) cost eviction order, never a panic or an endless walk,
+    /// and a victim is still one the caller accepted.
+    #[test]
+    fn damaged_state_never_panics_or_loops() {
+        let n = 16usize;
+        for kind in PolicyKind::ALL {
+            for fill in [0u32, 1, 7, 15, 16, 17, 0x8000_0000, u32::MAX - 1, u32::MAX] {
+                let mut w: Vec<u32> = (0..kind.words(n))
+                    .map(|i| fill.wrapping_add((i as u32).wrapping_mul(2_654_435_761) % 3))
+                    .collect();
+                let mut p = Policy::new(kind, &mut w, n);
+                p.access(3);
+                p.remove(5);
+                p.insert(4, 99);
+                for _ in 0..4 {
+                    if let Some(v) = p.pick(&mut |s| s % 2 == 0 && (s as usize) < n) {
+                        assert!(v % 2 == 0 && (v as usize) < n, "{kind} {fill:#x}: {v}");
+                    }
+                }
+                p.init();
+                p.insert(2, 1);
+                assert_eq!(p.pick(&mut |_| true), Some(2), "{kind}: usable after init");
+            }
+        }
+    }
+
     #[test]
     fn every_policy_respects_the_predicate_and_removes_the_victim() {
         for kind in PolicyKind::ALL {

@@ -17,7 +17,7 @@
 //! Candidates the cache rejects (pinned or dirty) are rotated to the head of
 //! their queue, as a hit would be, so the next pick looks further.
 
-use super::list::List;
+use super::list::{get, set, List};
 
 const IN_SMALL: u32 = 1 << 8;
 const IN_MAIN: u32 = 2 << 8;
@@ -51,7 +51,7 @@ fn ghost_off(n: u32) -> usize {
 }
 
 fn meta(n: u32, s: u32) -> usize {
-    2 * n as usize + s as usize
+    (2 * n as usize).saturating_add(s as usize)
 }
 
 pub fn words(n: usize) -> usize {
@@ -61,9 +61,11 @@ pub fn words(n: usize) -> usize {
 pub fn init(w: &mut [u32], n: u32) {
     small(n).clear(w);
     main_q(n).clear(w);
-    w[ghost_seq(n)] = 0;
+    set(w, ghost_seq(n), 0);
     let g = ghost_off(n);
-    w[g..g + 2 * ghost_len(n)].fill(0);
+    if let Some(ghost) = w.get_mut(g..g + 2 * ghost_len(n)) {
+        ghost.fill(0);
+    }
 }
 
 fn tag(key: u64) -> u32 {
@@ -77,56 +79,61 @@ fn ghost_pos(n: u32, key: u64) -> usize {
 
 fn ghost_take(w: &mut [u32], n: u32, key: u64) -> bool {
     let p = ghost_pos(n, key);
-    let seq = w[ghost_seq(n)];
-    let hit = w[p] == tag(key) && seq.wrapping_sub(w[p + 1]) <= n;
+    let seq = get(w, ghost_seq(n));
+    let hit = get(w, p) == tag(key) && seq.wrapping_sub(get(w, p + 1)) <= n;
     if hit {
-        w[p] = 0;
+        set(w, p, 0);
     }
     hit
 }
 
 fn ghost_put(w: &mut [u32], n: u32, key: u64) {
     let p = ghost_pos(n, key);
-    let seq = w[ghost_seq(n)].wrapping_add(1);
-    w[ghost_seq(n)] = seq;
-    w[p] = tag(key);
-    w[p + 1] = seq;
+    let seq = get(w, ghost_seq(n)).wrapping_add(1);
+    set(w, ghost_seq(n), seq);
+    set(w, p, tag(key));
+    set(w, p + 1, seq);
+}
+
+/// Positions of slot `s`'s key words (low, high).
+fn key_at(n: u32, s: u32) -> (usize, usize) {
+    let (n, s) = (n as usize, s as usize);
+    ((3 * n).saturating_add(s), (4 * n).saturating_add(s))
 }
 
 fn key_of(w: &[u32], n: u32, s: u32) -> u64 {
-    let n = n as usize;
-    let s = s as usize;
-    u64::from(w[3 * n + s]) | (u64::from(w[4 * n + s]) << 32)
+    let (lo, hi) = key_at(n, s);
+    u64::from(get(w, lo)) | (u64::from(get(w, hi)) << 32)
 }
 
 pub fn insert(w: &mut [u32], n: u32, slot: u32, key: u64) {
-    let nn = n as usize;
-    w[3 * nn + slot as usize] = key as u32;
-    w[4 * nn + slot as usize] = (key >> 32) as u32;
+    let (lo, hi) = key_at(n, slot);
+    set(w, lo, key as u32);
+    set(w, hi, (key >> 32) as u32);
     if ghost_take(w, n, key) {
-        w[meta(n, slot)] = IN_MAIN;
+        set(w, meta(n, slot), IN_MAIN);
         main_q(n).push_front(w, slot);
     } else {
-        w[meta(n, slot)] = IN_SMALL;
+        set(w, meta(n, slot), IN_SMALL);
         small(n).push_front(w, slot);
     }
 }
 
 pub fn access(w: &mut [u32], n: u32, slot: u32) {
-    let m = &mut w[meta(n, slot)];
-    if *m & FREQ_MASK < 3 {
-        *m += 1;
+    let m = get(w, meta(n, slot));
+    if m & FREQ_MASK < 3 {
+        set(w, meta(n, slot), m + 1);
     }
 }
 
 pub fn remove(w: &mut [u32], n: u32, slot: u32) {
-    let m = w[meta(n, slot)];
+    let m = get(w, meta(n, slot));
     match m & QUEUE_MASK {
         IN_SMALL => small(n).unlink(w, slot),
         IN_MAIN => main_q(n).unlink(w, slot),
         _ => {}
     }
-    w[meta(n, slot)] = 0;
+    set(w, meta(n, slot), 0);
 }
 
 pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
@@ -136,8 +143,9 @@ pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Op
     // only at the other; when both were, give up.
     let (mut small_rejects, mut main_rejects) = (0u32, 0u32);
     // Every step evicts, rejects, or moves one slot toward a queue head
-    // (promotion or frequency decay, at most 3 per slot): bounded work.
-    let budget = 8 * (s.len(w) + m.len(w)) as usize + 8;
+    // (promotion or frequency decay, at most 3 per slot): bounded work,
+    // and never more than the slots allow whatever damaged lengths say.
+    let budget = 8 * (s.len(w).min(n) + m.len(w).min(n)) as usize + 8;
     for _ in 0..budget {
         let small_done = small_rejects >= s.len(w);
         let main_done = main_rejects >= m.len(w);
@@ -153,15 +161,15 @@ pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Op
         };
         if from_small {
             let t = s.tail(w)?;
-            let freq = w[meta(n, t)] & FREQ_MASK;
+            let freq = get(w, meta(n, t)) & FREQ_MASK;
             if freq > 0 {
                 s.unlink(w, t);
-                w[meta(n, t)] = IN_MAIN;
+                set(w, meta(n, t), IN_MAIN);
                 m.push_front(w, t);
                 main_rejects = 0;
             } else if can_evict(t) {
                 s.unlink(w, t);
-                w[meta(n, t)] = 0;
+                set(w, meta(n, t), 0);
                 ghost_put(w, n, key_of(w, n, t));
                 return Some(t);
             } else {
@@ -170,13 +178,13 @@ pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Op
             }
         } else {
             let t = m.tail(w)?;
-            let freq = w[meta(n, t)] & FREQ_MASK;
+            let freq = get(w, meta(n, t)) & FREQ_MASK;
             if freq > 0 {
-                w[meta(n, t)] -= 1;
+                set(w, meta(n, t), get(w, meta(n, t)) - 1);
                 m.move_to_front(w, t);
             } else if can_evict(t) {
                 m.unlink(w, t);
-                w[meta(n, t)] = 0;
+                set(w, meta(n, t), 0);
                 return Some(t);
             } else {
                 m.move_to_front(w, t);

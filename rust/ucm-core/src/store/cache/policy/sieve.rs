@@ -3,7 +3,7 @@
 //! survives the sweep (its bit is cleared); the first unvisited, evictable
 //! slot is the victim. Hits only set a bit, so they never reorder the list.
 
-use super::list::{List, NIL};
+use super::list::{get, set, List, NIL};
 
 // Layout: prev[n] next[n] visited[n] head tail len hand
 fn list(n: u32) -> List {
@@ -15,7 +15,7 @@ fn hand(n: u32) -> usize {
 }
 
 fn visited(n: u32, s: u32) -> usize {
-    2 * n as usize + s as usize
+    (2 * n as usize).saturating_add(s as usize)
 }
 
 pub fn words(n: usize) -> usize {
@@ -24,33 +24,34 @@ pub fn words(n: usize) -> usize {
 
 pub fn init(w: &mut [u32], n: u32) {
     list(n).clear(w);
-    w[hand(n)] = NIL;
+    set(w, hand(n), NIL);
 }
 
 pub fn insert(w: &mut [u32], n: u32, slot: u32) {
-    w[visited(n, slot)] = 0;
+    set(w, visited(n, slot), 0);
     list(n).push_front(w, slot);
 }
 
 pub fn access(w: &mut [u32], n: u32, slot: u32) {
-    w[visited(n, slot)] = 1;
+    set(w, visited(n, slot), 1);
 }
 
 pub fn remove(w: &mut [u32], n: u32, slot: u32) {
     let l = list(n);
-    if w[hand(n)] == slot {
-        w[hand(n)] = l.toward_head(w, slot);
+    if get(w, hand(n)) == slot {
+        set(w, hand(n), l.toward_head(w, slot));
     }
     l.unlink(w, slot);
 }
 
 pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
     let l = list(n);
-    let len = l.len(w);
+    // A damaged length cannot make the sweep longer than the slots.
+    let len = l.len(w).min(n);
     if len == 0 {
         return None;
     }
-    let mut cur = match w[hand(n)] {
+    let mut cur = match get(w, hand(n)) {
         NIL => l.tail(w)?,
         h => h,
     };
@@ -60,10 +61,10 @@ pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Op
             NIL => l.tail(w).unwrap_or(NIL),
             p => p,
         };
-        if w[visited(n, cur)] != 0 {
-            w[visited(n, cur)] = 0;
+        if get(w, visited(n, cur)) != 0 {
+            set(w, visited(n, cur), 0);
         } else if can_evict(cur) {
-            w[hand(n)] = if next == cur { NIL } else { next };
+            set(w, hand(n), if next == cur { NIL } else { next });
             l.unlink(w, cur);
             return Some(cur);
         }
@@ -72,6 +73,6 @@ pub fn pick(w: &mut [u32], n: u32, can_evict: &mut dyn FnMut(u32) -> bool) -> Op
         }
         cur = next;
     }
-    w[hand(n)] = cur;
+    set(w, hand(n), cur);
     None
 }

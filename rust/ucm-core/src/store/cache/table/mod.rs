@@ -17,14 +17,29 @@
 //! # Locking
 //!
 //! One process-shared, robust pthread mutex (in the header) guards all
-//! metadata; copies of shard bytes happen outside it, protected by slot
-//! states instead:
+//! metadata. Every lock of it has a bound, and its bytes are checked
+//! before they are trusted (see `lock`). Copies of shard bytes happen
+//! outside it, protected by slot states instead:
 //!
 //! * `FILLING`: one writer (the pinning filler) is producing the bytes;
 //!   nobody reads them. Loads of the same shard pin the slot and wait.
 //! * `READY`: the bytes are complete and immutable (blocks are
 //!   content-addressed, nobody rewrites a ready slot).
 //! * `FREE`: not in the index.
+//!
+//! # Integrity
+//!
+//! A ready slot carries its shard's checksum, the same xxh3-64 as the
+//! block format's header, and a seal binding that checksum to the slot's
+//! (block, shard). The checksum is computed once, from the engine's memory
+//! when the shard is dumped, or taken from the tier below that verified it
+//! when the slot is filled, never from the slot itself: every load out of
+//! a slot and every write-back of one checks the bytes against it, and a
+//! write-back hands it down unchanged, so bytes changed in the region (a
+//! bug, a stray writer of a shared segment) are a miss, never served and
+//! never stored below with a checksum of their own. A shared segment's
+//! table is checked when a process joins it (see `check`): slots that
+//! fail are discarded, and everything derived is rebuilt.
 //!
 //! A slot is reused only when `refs == 0`, it is `READY` and not dirty, so
 //! eviction never takes a slot an in-flight load or dump uses, nor data not
@@ -42,16 +57,22 @@
 //!
 //! # Where the code is
 //!
-//! The table's structures, its initialisation and its lock live here; the
-//! slot index (lookups, pins, allocation, rebuilding) is in `slots`, and
-//! joining and leaving a shared segment, with the participants, in
-//! `shared`.
+//! The table's structures and its initialisation live here; the lock (its
+//! bound, its checks, releases deferred past it) is in `lock`, the slot
+//! index (lookups, pins, allocation, rebuilding) in `slots`, checking a
+//! table found in a segment in `check`, and joining and leaving a shared
+//! segment, with the participants, in `shared`.
 
+mod check;
+mod lock;
 mod shared;
 mod slots;
 
+pub use lock::{lock_wait, Release, DEFAULT_LOCK_WAIT};
+
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::hashing::xxh3::Xxh3Stream;
 
@@ -66,7 +87,8 @@ pub const MAX_PARTS: usize = 16;
 pub const NONE: u32 = u32::MAX;
 const MAGIC: u64 = u64::from_le_bytes(*b"UCMCACH1");
 /// Version of the header format (bump on any change to the structs here).
-const VERSION: u32 = 1;
+/// 2: slots carry their shard's checksum and a seal.
+const VERSION: u32 = 2;
 /// How long an attacher waits for the creator to finish initialising.
 const INIT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -128,7 +150,50 @@ pub struct SlotMeta {
     /// Bumped at every reuse.
     pub gen: u32,
     _pad: u32,
+    /// xxh3-64 of the shard's bytes (READY slots), as in the block
+    /// format's header.
+    pub checksum: u64,
+    /// [`seal`] of (block, shard, checksum): a READY slot whose seal does
+    /// not match has damaged metadata and is never trusted.
+    seal: u64,
     pins: [u16; MAX_PARTS],
+}
+
+/// Binds a slot's checksum to the shard it holds, so a flipped block id,
+/// shard index or checksum in the metadata is caught like flipped data.
+fn seal(block: &[u8; 16], shard: u32, checksum: u64) -> u64 {
+    let mut raw = [0u8; 28];
+    raw[..16].copy_from_slice(block);
+    raw[16..20].copy_from_slice(&shard.to_le_bytes());
+    raw[20..].copy_from_slice(&checksum.to_le_bytes());
+    // Never 0, so a zeroed slot is never sealed.
+    crate::hashing::xxh3::xxh3_64(&raw) | 1
+}
+
+impl SlotMeta {
+    /// A free slot, as initialisation leaves it.
+    fn empty() -> Self {
+        SlotMeta {
+            block: [0; 16],
+            shard: 0,
+            state: FREE,
+            dirty: 0,
+            owner: NONE,
+            hnext: NONE,
+            refs: 0,
+            gen: 0,
+            _pad: 0,
+            checksum: 0,
+            seal: 0,
+            pins: [0; MAX_PARTS],
+        }
+    }
+
+    /// The checksum of a READY slot whose seal holds; `None` otherwise.
+    pub fn sealed_checksum(&self) -> Option<u64> {
+        (self.state == READY && self.seal == seal(&self.block, self.shard, self.checksum))
+            .then_some(self.checksum)
+    }
 }
 
 fn align(n: usize, a: usize) -> usize {
@@ -143,6 +208,8 @@ pub struct Geometry {
     n_buckets: usize,
     /// Bytes of one shard.
     pub shard_size: usize,
+    /// Shards in a block.
+    pub shard_count: usize,
     /// Distance between slots in the data area (multiple of 4 KiB).
     pub stride: usize,
     /// Eviction policy.
@@ -191,6 +258,7 @@ impl Geometry {
             n_slots,
             n_buckets,
             shard_size,
+            shard_count: block_size / shard_size.max(1),
             stride,
             policy,
             off_shared,
@@ -201,6 +269,22 @@ impl Geometry {
             total_len,
             fingerprint: h.digest(),
         }
+    }
+}
+
+impl Geometry {
+    /// Byte range of the slot table in the region (slot metadata, hash
+    /// buckets, policy state), which a process joining a segment checks:
+    /// for tests and tools that look into a segment.
+    pub fn slot_table(&self) -> std::ops::Range<usize> {
+        self.off_meta..self.off_policy + 4 * self.policy.words(self.n_slots)
+    }
+
+    /// Byte range of the table's lock (a process-shared pthread mutex) in
+    /// the region: for tests and tools that look into a segment.
+    pub fn lock_bytes(&self) -> std::ops::Range<usize> {
+        let start = std::mem::offset_of!(Header, lock);
+        start..start + std::mem::size_of::<libc::pthread_mutex_t>()
     }
 }
 
@@ -222,21 +306,42 @@ pub struct Table {
     shm: Option<ShmObject>,
     /// Leave the shared segment in place when the last participant leaves.
     keep: bool,
-    detached: std::sync::atomic::AtomicBool,
+    detached: AtomicBool,
+    /// Slots found invalid, and discarded, when this process joined.
+    discarded_at_join: usize,
+    /// Bound of every wait for the lock.
+    lock_wait: Duration,
+    /// Releases that could not have the lock, for the next lock taken.
+    deferred: parking_lot::Mutex<Vec<Release>>,
+    /// `deferred` is not empty (a hint, read without its mutex).
+    has_deferred: AtomicBool,
+    /// Locks not taken (timed out, or refused).
+    lock_failures: AtomicU64,
 }
 
 impl Table {
-    /// A table in private memory.
-    pub fn private(geo: Geometry) -> Result<Self> {
-        let map = Mapping::anon(geo.total_len)?;
-        let t = Table {
+    /// A table in `map`, not yet joined (`me` is NONE).
+    fn in_map(map: Mapping, geo: Geometry, shm: Option<ShmObject>, lock_wait: Duration) -> Self {
+        Table {
             map,
             geo,
-            me: 0,
-            shm: None,
+            me: NONE,
+            shm,
             keep: false,
-            detached: Default::default(),
-        };
+            detached: AtomicBool::new(false),
+            discarded_at_join: 0,
+            lock_wait,
+            deferred: parking_lot::Mutex::new(Vec::new()),
+            has_deferred: AtomicBool::new(false),
+            lock_failures: AtomicU64::new(0),
+        }
+    }
+
+    /// A table in private memory, whose locks wait at most `lock_wait`.
+    pub fn private(geo: Geometry, lock_wait: Duration) -> Result<Self> {
+        let map = Mapping::anon(geo.total_len)?;
+        let mut t = Table::in_map(map, geo, None, lock_wait);
+        t.me = 0;
         t.initialise(std::process::id() as i32)?;
         {
             let mut g = t.lock()?;
@@ -270,12 +375,7 @@ impl Table {
             (*hdr).policy = self.geo.policy.code();
             (*hdr).fingerprint = self.geo.fingerprint;
             (*hdr).total_len = self.geo.total_len as u64;
-            let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
-            libc::pthread_mutexattr_init(&mut attr);
-            libc::pthread_mutexattr_setpshared(&mut attr, libc::PTHREAD_PROCESS_SHARED);
-            libc::pthread_mutexattr_setrobust(&mut attr, libc::PTHREAD_MUTEX_ROBUST);
-            let rc = libc::pthread_mutex_init((*hdr).lock.get(), &attr);
-            libc::pthread_mutexattr_destroy(&mut attr);
+            let rc = lock::init_mutex((*hdr).lock.get());
             if rc != 0 {
                 return Err(UcmError::os(
                     "pthread_mutex_init",
@@ -288,11 +388,7 @@ impl Table {
             // SAFETY: as above; the lock is not needed before publication,
             // but taking the views through a guard keeps one code path.
             let mut g = unsafe { self.views() };
-            for m in g.meta.iter_mut() {
-                // SAFETY: SlotMeta is plain data; all-zero is a valid value.
-                *m = unsafe { std::mem::zeroed() };
-                m.owner = NONE;
-            }
+            g.meta.fill(SlotMeta::empty());
             g.shared.parts = [Participant {
                 pid: 0,
                 _pad: 0,
@@ -338,38 +434,6 @@ impl Table {
         }
     }
 
-    fn raw_lock(&self) -> Result<bool> {
-        // SAFETY: the mutex was initialised before magic was published and
-        // lives as long as the mapping.
-        let rc = unsafe { libc::pthread_mutex_lock(self.mutex()) };
-        match rc {
-            0 => Ok(false),
-            libc::EOWNERDEAD => {
-                // SAFETY: we own the mutex now (EOWNERDEAD grants it).
-                unsafe { libc::pthread_mutex_consistent(self.mutex()) };
-                Ok(true)
-            }
-            e => Err(UcmError::os(
-                "pthread_mutex_lock",
-                self.shm.as_ref().map_or("", |s| s.path.as_str()),
-                std::io::Error::from_raw_os_error(e),
-            )),
-        }
-    }
-
-    /// Takes the table lock, repairing the table if its last holder died.
-    pub fn lock(&self) -> Result<Guard<'_>> {
-        let repaired = self.raw_lock()?;
-        // SAFETY: we hold the mutex.
-        let mut g = unsafe { self.views() };
-        if repaired {
-            log::warn!("cache table: a participant died holding the lock; rebuilding the index");
-            g.reap_dead();
-            g.rebuild();
-        }
-        Ok(g)
-    }
-
     /// The geometry.
     pub fn geometry(&self) -> &Geometry {
         &self.geo
@@ -399,6 +463,18 @@ impl Table {
     /// Path of the shared segment, if any.
     pub fn shm_path(&self) -> Option<&str> {
         self.shm.as_ref().map(|s| s.path.as_str())
+    }
+
+    /// Slots whose metadata was invalid when this process joined the
+    /// segment, discarded then.
+    pub fn discarded_at_join(&self) -> usize {
+        self.discarded_at_join
+    }
+
+    /// Locks of the table not taken (timed out, or refused), by this
+    /// process.
+    pub fn lock_failures(&self) -> u64 {
+        self.lock_failures.load(Ordering::Relaxed)
     }
 }
 
@@ -437,13 +513,13 @@ mod tests {
     #[test]
     fn alloc_find_evict_and_pins() {
         let geo = Geometry::new(4, 4096, 8192, PolicyKind::Lru);
-        let t = Table::private(geo).unwrap();
+        let t = Table::private(geo, DEFAULT_LOCK_WAIT).unwrap();
         let mut g = t.lock().unwrap();
         let mut slots = Vec::new();
         for n in 0..4 {
             let a = g.alloc(&id(n), 0, &mut |_, _| {}).unwrap();
             assert!(!a.evicted);
-            g.fill_done(a.slot, n == 1);
+            g.fill_done(a.slot, n == 1, 7);
             slots.push(a.slot);
         }
         assert_eq!(g.find(&id(2), 0), Some(slots[2]));
@@ -457,7 +533,7 @@ mod tests {
         assert!(a.evicted);
         assert_eq!(a.slot, slots[0]);
         assert_eq!(g.find(&id(0), 0), None);
-        g.fill_done(a.slot, false);
+        g.fill_done(a.slot, false, 7);
         g.unpin(a.slot);
         // Next victim skips the dirty block 1 and reports it.
         let mut dirty_seen = Vec::new();
@@ -476,11 +552,11 @@ mod tests {
     #[test]
     fn rebuild_preserves_entries() {
         let geo = Geometry::new(8, 4096, 4096, PolicyKind::S3Fifo);
-        let t = Table::private(geo).unwrap();
+        let t = Table::private(geo, DEFAULT_LOCK_WAIT).unwrap();
         let mut g = t.lock().unwrap();
         for n in 0..5 {
             let a = g.alloc(&id(n), 3, &mut |_, _| {}).unwrap();
-            g.fill_done(a.slot, false);
+            g.fill_done(a.slot, false, 7);
             g.unpin(a.slot);
         }
         g.rebuild();

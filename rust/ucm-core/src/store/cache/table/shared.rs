@@ -4,7 +4,10 @@
 //! attacher waits for that, checks that the layout is its own and
 //! registers; a segment whose creator died while initialising it, or whose
 //! other layout no live process uses, is unlinked and the join starts
-//! over. The last participant to leave removes the segment unless dirty
+//! over. So is one whose lock can't be trusted (its bytes are not a mutex
+//! of ours, or it is not free within the lock's bound) when no live
+//! process uses it, read without the lock, which is racy but only decides
+//! whether to replace it; while one does, the open fails naming them. The last participant to leave removes the segment unless dirty
 //! data is still waiting for the backend, or the segment is kept
 //! (`share_buffer_keep`) for a process that starts later. Dead participants are reaped
 //! (their pins dropped, their half-filled slots freed, their dirty slots
@@ -15,6 +18,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::lock::{pid_list, LockFailure};
 use super::{
     Geometry, Guard, Header, Participant, SharedHdr, Table, FILLING, INIT_WAIT, MAGIC, MAX_PARTS,
     NONE, READY, VERSION,
@@ -33,11 +37,12 @@ type Attempt<T> = Result<std::result::Result<T, Retry>>;
 
 impl Table {
     /// Creates the shared segment for `unique_id`, or attaches to it;
-    /// `keep` leaves it in place when the last participant leaves.
-    pub fn shared(unique_id: &str, geo: Geometry, keep: bool) -> Result<Self> {
+    /// `keep` leaves it in place when the last participant leaves; every
+    /// lock waits at most `lock_wait`.
+    pub fn shared(unique_id: &str, geo: Geometry, keep: bool, lock_wait: Duration) -> Result<Self> {
         let shm = ShmObject::for_id(unique_id)?;
         for _ in 0..50 {
-            match Self::try_shared(&shm, &geo)? {
+            match Self::try_shared(&shm, &geo, lock_wait)? {
                 Ok(mut t) => {
                     t.keep = keep;
                     return Ok(t);
@@ -51,35 +56,40 @@ impl Table {
         )))
     }
 
-    fn try_shared(shm: &ShmObject, geo: &Geometry) -> Attempt<Self> {
+    fn try_shared(shm: &ShmObject, geo: &Geometry, lock_wait: Duration) -> Attempt<Self> {
         if let Some(fd) = shm.create(geo.total_len)? {
-            return Self::create_shared(shm, geo, &fd).map(Ok);
+            return Self::create_shared(shm, geo, &fd, lock_wait).map(Ok);
         }
         let Some(fd) = shm.open()? else {
             return Ok(Err(Retry::Again));
         };
-        Self::attach(shm, geo, &fd)
+        Self::attach(shm, geo, &fd, lock_wait)
     }
 
     /// The segment `fd` (of `shm`) mapped, `len` bytes; not yet joined.
-    fn mapped(shm: &ShmObject, geo: &Geometry, fd: RawFd, len: usize) -> Result<Self> {
+    fn mapped(
+        shm: &ShmObject,
+        geo: &Geometry,
+        fd: RawFd,
+        len: usize,
+        lock_wait: Duration,
+    ) -> Result<Self> {
         let map = Mapping::shared(fd, len)?;
-        Ok(Table {
-            map,
-            geo: geo.clone(),
-            me: NONE,
-            shm: Some(ShmObject {
-                name: shm.name.clone(),
-                path: shm.path.clone(),
-            }),
-            keep: false,
-            detached: Default::default(),
-        })
+        let shm = ShmObject {
+            name: shm.name.clone(),
+            path: shm.path.clone(),
+        };
+        Ok(Table::in_map(map, geo.clone(), Some(shm), lock_wait))
     }
 
     /// Initialises the segment we just created and joins it.
-    fn create_shared(shm: &ShmObject, geo: &Geometry, fd: &OwnedFd) -> Result<Self> {
-        let mut t = Self::mapped(shm, geo, fd.as_raw_fd(), geo.total_len)?;
+    fn create_shared(
+        shm: &ShmObject,
+        geo: &Geometry,
+        fd: &OwnedFd,
+        lock_wait: Duration,
+    ) -> Result<Self> {
+        let mut t = Self::mapped(shm, geo, fd.as_raw_fd(), geo.total_len, lock_wait)?;
         t.initialise(std::process::id() as i32)?;
         let me = {
             let mut g = t.lock()?;
@@ -97,23 +107,24 @@ impl Table {
 
     /// Joins a segment another process created, once it is initialised
     /// and if it has our layout.
-    fn attach(shm: &ShmObject, geo: &Geometry, fd: &OwnedFd) -> Attempt<Self> {
+    fn attach(shm: &ShmObject, geo: &Geometry, fd: &OwnedFd, lock_wait: Duration) -> Attempt<Self> {
         let raw = fd.as_raw_fd();
         let started = Instant::now();
         let Some(size) = wait_sized(shm, raw, started)? else {
             return Ok(Err(Retry::Again));
         };
-        let mut t = Self::mapped(shm, geo, raw, size)?;
+        let mut t = Self::mapped(shm, geo, raw, size, lock_wait)?;
         if size < std::mem::size_of::<Header>() + std::mem::size_of::<SharedHdr>() + 64 {
             return Err(layout_error(&shm.path, "is too small to be a UCM cache"));
         }
         if !t.wait_initialised(shm, started) {
             return Ok(Err(Retry::Again));
         }
-        if let Err(retry) = t.check_layout(shm, geo, size)? {
+        if let Err(retry) = t.check_layout(shm, geo, size, raw)? {
             return Ok(Err(retry));
         }
-        t.join(shm)
+        shm.reserve_rest(raw)?;
+        t.join(shm, raw)
     }
 
     /// Waits for the creator to publish the segment (its magic); false,
@@ -139,10 +150,16 @@ impl Table {
         }
     }
 
-    /// Checks that the segment (`size` bytes) has our layout. One of
-    /// another layout is an error while anyone uses it, and is unlinked to
-    /// be replaced once nobody does.
-    fn check_layout(&mut self, shm: &ShmObject, geo: &Geometry, size: usize) -> Attempt<()> {
+    /// Checks that the segment (`size` bytes, open as `fd`) has our
+    /// layout. One of another layout is an error while anyone uses it, and
+    /// is unlinked to be replaced once nobody does.
+    fn check_layout(
+        &mut self,
+        shm: &ShmObject,
+        geo: &Geometry,
+        size: usize,
+        fd: RawFd,
+    ) -> Attempt<()> {
         let h = self.header();
         let same = h.version == VERSION
             && h.fingerprint == geo.fingerprint
@@ -153,9 +170,10 @@ impl Table {
         }
         if h.version == VERSION {
             // Same header format: we can tell whether anyone still uses it.
-            let live = {
-                let g = self.lock_header_only()?;
-                g.live_participants()
+            let locked = self.lock_header_only().map(|g| g.live_participants());
+            let live = match locked {
+                Ok(live) => live,
+                Err(f) => return self.untrusted(shm, fd, &f),
             };
             if live == 0 {
                 log::warn!(
@@ -179,17 +197,34 @@ impl Table {
         ))
     }
 
-    /// Registers as a participant, unless the last one left and unlinked
-    /// the segment meanwhile.
-    fn join(mut self, shm: &ShmObject) -> Attempt<Self> {
-        let me = {
-            let mut g = self.lock()?;
-            if g.shared.unlinked != 0 {
-                None
-            } else {
-                Some(g.register()?)
+    /// Checks the table (see `check`) and registers as a participant,
+    /// unless the last one left and unlinked the segment meanwhile.
+    fn join(mut self, shm: &ShmObject, fd: RawFd) -> Attempt<Self> {
+        let joined = match self.try_lock() {
+            Ok(mut g) => {
+                let found = g.check_and_rebuild();
+                let me = if g.shared.unlinked != 0 {
+                    None
+                } else {
+                    Some(g.register()?)
+                };
+                Ok((me, found))
             }
+            Err(f) => Err(f),
         };
+        let (me, found) = match joined {
+            Ok(joined) => joined,
+            Err(f) => return self.untrusted(shm, fd, &f),
+        };
+        if found.any() {
+            log::warn!(
+                "shared cache segment {}: its slot table was damaged; discarded {} slot(s) with \
+                 invalid metadata (their bytes are never served) and rebuilt the index",
+                shm.path,
+                found.discarded
+            );
+            self.discarded_at_join = found.discarded;
+        }
         match me {
             Some(me) => {
                 self.me = me;
@@ -206,10 +241,78 @@ impl Table {
         }
     }
 
+    /// A segment whose lock could not be taken at open (`f`, not an OS
+    /// error): unlinked to be replaced when no live process uses it (read
+    /// without the lock: racy, but it only decides this), with one warning;
+    /// otherwise an error naming the segment, those processes and what to
+    /// do.
+    fn untrusted<T>(&mut self, shm: &ShmObject, fd: RawFd, f: &LockFailure) -> Attempt<T> {
+        let path = &shm.path;
+        let why = match f {
+            LockFailure::Os(e) => {
+                return Err(UcmError::os(
+                    "pthread_mutex_timedlock",
+                    path,
+                    std::io::Error::from_raw_os_error(*e),
+                ))
+            }
+            LockFailure::Timeout => format!(
+                "was not free within {:?}{}",
+                self.lock_wait,
+                self.holder_note()
+            ),
+            LockFailure::Garbage(why) => why.clone(),
+        };
+        let live = self.live_pids_unlocked();
+        if live.is_empty() {
+            log::warn!(
+                "shared cache segment {path}: its lock {why}, and no live process uses it; \
+                 replacing it with a fresh one (what it held is dropped)"
+            );
+            shm.unlink_if_same(fd);
+            self.shm = None;
+            return Ok(Err(Retry::Again));
+        }
+        let pids = pid_list(&live);
+        Err(match f {
+            LockFailure::Timeout => UcmError::Timeout(format!(
+                "shared cache segment {path}: its lock {why}, and process(es) {pids} use the \
+                 segment: one of them holds the lock without letting go (stuck or stopped). \
+                 Stop them, or once none of them runs, remove the segment (rm {path})"
+            )),
+            _ => UcmError::InvalidParam(format!(
+                "shared cache segment {path}: its lock {why}, and process(es) {pids} use the \
+                 segment. Stop them and remove the segment (rm {path})"
+            )),
+        })
+    }
+
+    /// Pids of the segment's live participants, read without the lock:
+    /// for decisions that only replace a segment nobody uses, and for
+    /// messages.
+    pub(super) fn live_pids_unlocked(&self) -> Vec<i32> {
+        // SAFETY: SharedHdr sits at a fixed offset for a given VERSION,
+        // inside every mapping that got this far (its size was checked).
+        let parts = unsafe {
+            std::ptr::addr_of!(
+                (*(self.map.base().add(self.geo.off_shared) as *const SharedHdr)).parts
+            )
+        };
+        (0..MAX_PARTS)
+            .filter_map(|i| {
+                // SAFETY: `i` is inside the array. Other processes may
+                // write it meanwhile: volatile reads of plain integers,
+                // where a torn value at worst names a wrong process.
+                let p = unsafe { parts.cast::<Participant>().add(i).read_volatile() };
+                (p.pid != 0 && process_alive(p.pid, p.start)).then_some(p.pid)
+            })
+            .collect()
+    }
+
     /// Locks a segment whose geometry may differ from ours: only the header
     /// and participant list may be looked at.
-    fn lock_header_only(&self) -> Result<HeaderGuard<'_>> {
-        self.raw_lock()?;
+    fn lock_header_only(&self) -> std::result::Result<HeaderGuard<'_>, LockFailure> {
+        self.try_raw_lock()?;
         // SAFETY: we hold the mutex; SharedHdr sits at a fixed offset for a
         // given VERSION, independent of the geometry.
         let shared = unsafe { &mut *(self.map.base().add(self.geo.off_shared) as *mut SharedHdr) };
@@ -233,8 +336,16 @@ impl Table {
         if self.me == NONE {
             return;
         }
-        let Ok(mut g) = self.lock() else {
-            return;
+        let mut g = match self.lock() {
+            Ok(g) => g,
+            Err(e) => {
+                log::warn!(
+                    "could not leave shared cache segment {} ({e}): the others drop this \
+                     process's pins and adopt its dirty slots once it has exited",
+                    shm.path
+                );
+                return;
+            }
         };
         let dirty = g.leave();
         let live = g.live_participants();

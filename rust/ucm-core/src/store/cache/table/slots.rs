@@ -1,8 +1,13 @@
 //! The slot index inside the table: hash chains from (block, shard) to
 //! slot, pins, the free list, allocation through the eviction policy, and
 //! rebuilding all of it from the slot metadata.
+//!
+//! Every slot number read from the region (a bucket, a chain link, the
+//! free list's head, a policy's victim) is checked against the slot count
+//! and every walk is bounded by it, so damaged links cost a miss, never a
+//! panic or a loop; the table's next check rebuilds them.
 
-use super::{key_hash, Allocated, Guard, SlotMeta, FILLING, FREE, MAX_PARTS, NONE, READY};
+use super::{key_hash, seal, Allocated, Guard, SlotMeta, FILLING, FREE, MAX_PARTS, NONE, READY};
 use crate::block::BlockId;
 use crate::store::cache::policy::Policy;
 
@@ -18,8 +23,8 @@ impl Guard<'_> {
     /// The slot holding (block, shard), FILLING or READY.
     pub fn find(&self, block: &BlockId, shard: u32) -> Option<u32> {
         let mut cur = self.buckets[self.bucket_of(block, shard)];
-        while cur != NONE {
-            let m = &self.meta[cur as usize];
+        for _ in 0..self.meta.len() {
+            let m = self.meta.get(cur as usize)?;
             if m.shard == shard && m.block == block.0 && m.state != FREE {
                 return Some(cur);
             }
@@ -82,8 +87,10 @@ impl Guard<'_> {
         let b = self.bucket_of(&BlockId(m.block), m.shard);
         let mut prev = NONE;
         let mut cur = self.buckets[b];
-        while cur != NONE {
-            let next = self.meta[cur as usize].hnext;
+        for _ in 0..self.meta.len() {
+            let Some(next) = self.meta.get(cur as usize).map(|m| m.hnext) else {
+                break;
+            };
             if cur == slot {
                 if prev == NONE {
                     self.buckets[b] = next;
@@ -109,17 +116,28 @@ impl Guard<'_> {
         on_dirty: &mut dyn FnMut(u32, &SlotMeta),
     ) -> Option<Allocated> {
         let mut evicted = false;
-        let slot = if self.shared.free_head != NONE {
-            let s = self.shared.free_head;
-            self.shared.free_head = self.meta[s as usize].hnext;
+        let head = self.shared.free_head;
+        let free_next = self
+            .meta
+            .get(head as usize)
+            .filter(|m| m.state == FREE && m.refs == 0)
+            .map(|m| m.hnext);
+        if free_next.is_none() {
+            // Empty, or damaged: evict instead; the next rebuild relinks it.
+            self.shared.free_head = NONE;
+        }
+        let slot = if let Some(next) = free_next {
+            self.shared.free_head = next;
             self.shared.used += 1;
-            s
+            head
         } else {
             let meta: &[SlotMeta] = self.meta;
             let words = &mut *self.policy_words;
             let mut p = Policy::new(self.geo.policy, words, self.geo.n_slots);
             let victim = p.pick(&mut |s| {
-                let m = &meta[s as usize];
+                let Some(m) = meta.get(s as usize) else {
+                    return false;
+                };
                 if m.refs == 0 && m.state == READY && m.dirty != 0 {
                     on_dirty(s, m);
                 }
@@ -137,6 +155,8 @@ impl Guard<'_> {
         m.dirty = 0;
         m.owner = me;
         m.gen = m.gen.wrapping_add(1);
+        m.checksum = 0;
+        m.seal = 0;
         m.refs = 0;
         m.pins = [0; MAX_PARTS];
         self.link(slot);
@@ -146,13 +166,27 @@ impl Guard<'_> {
         Some(Allocated { slot, evicted })
     }
 
-    /// The filler finished writing the slot's bytes.
-    pub fn fill_done(&mut self, slot: u32, dirty: bool) {
+    /// The filler finished writing the slot's bytes, whose checksum is
+    /// `checksum` (computed from where they came from, not from the slot).
+    pub fn fill_done(&mut self, slot: u32, dirty: bool, checksum: u64) {
         let me = self.me;
         let m = &mut self.meta[slot as usize];
         m.state = READY;
         m.dirty = u32::from(dirty);
         m.owner = if dirty { me } else { NONE };
+        m.checksum = checksum;
+        m.seal = seal(&m.block, m.shard, checksum);
+    }
+
+    /// The checksum of the READY slot holding (block, shard) at `slot`;
+    /// `None` when the slot holds something else now, or its metadata is
+    /// damaged (see [`SlotMeta::sealed_checksum`]).
+    pub fn checksum_of(&self, slot: u32, block: &BlockId, shard: u32) -> Option<u64> {
+        let m = self.meta.get(slot as usize)?;
+        if m.block != block.0 || m.shard != shard {
+            return None;
+        }
+        m.sealed_checksum()
     }
 
     /// Takes the slot out of the index (a failed fill, or a clean entry the
@@ -167,6 +201,7 @@ impl Guard<'_> {
         m.state = FREE;
         m.dirty = 0;
         m.owner = NONE;
+        m.seal = 0;
         self.shared.used = self.shared.used.saturating_sub(1);
         if self.meta[slot as usize].refs == 0 {
             self.push_free(slot);
