@@ -4,6 +4,7 @@ bytes, or hangs a load past ``timeout_ms``."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -83,6 +84,8 @@ def traced(tmp_path: Path, name: str, syscalls: str, code: str, *args: str) -> l
             strace,
             "-f",
             "-qq",
+            # Descriptors with their paths: which directory a sync is for.
+            "-y",
             "-e",
             f"trace={syscalls}",
             "-o",
@@ -180,19 +183,138 @@ def test_symlinks_at_block_paths_are_not_served(tmp_path: Path, make_store) -> N
         assert store.lookup([bid]) == [False]
         with pytest.raises(BlockNotFoundError):
             store.wait(store.load(*whole(bid), empty()))
-    # A block in the index swapped for a symlink to a valid block elsewhere.
+    # A block in the index swapped for a symlink to a valid block elsewhere:
+    # a miss (the store saw the file go) or a load refused, never served.
     put(store, b"s" * 16, 2)
     swapped = block_path(root, b"s" * 16)
     swapped.unlink()
     swapped.symlink_to(block_path(other, b"v" * 16))
-    with pytest.raises(CorruptBlockError, match="symbolic link"):
+    with pytest.raises((CorruptBlockError, BlockNotFoundError)):
         store.wait(store.load(*whole(b"s" * 16), empty()))
-    assert not swapped.is_symlink(), "the planted link stays"
     assert store.lookup([b"s" * 16]) == [False]
-    # A new store's scan removes what it finds at block names (not targets).
-    make_store(root)
+    # A dump of the block replaces the link (not its target).
+    put(store, b"s" * 16, 2)
+    assert not swapped.is_symlink()
+    out = empty()
+    store.wait(store.load(*whole(b"s" * 16), out))
+    assert same(out, block(2))
+    # A store with a capacity removes what it finds at block names when it
+    # starts (not what the links point to).
+    capped = make_store(root, posix_capacity_gb=1.0)
+    deadline = time.monotonic() + 20
+    while (valid.is_symlink() or passwd.is_symlink()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not valid.is_symlink() and not passwd.is_symlink()
+    assert capped.lookup([b"s" * 16]) == [True]
     assert Path("/etc/passwd").exists() and block_path(other, b"v" * 16).exists()
+
+
+def test_foreign_entries_at_block_names_are_replaced_by_a_dump_and_removed_at_start(
+    tmp_path: Path, make_store
+) -> None:
+    """A FIFO, an empty directory and a link at block names: a dump of the
+    block replaces each (no load first), and a store with a capacity
+    removes them when it starts, without touching what a link points to."""
+    root = tmp_path / "store"
+    store = make_store(root)
+    assert store.lookup([b"a" * 16]) == [False]  # makes the block directories
+    target = tmp_path / "target"
+    target.write_bytes(b"user data")
+    planted = {}
+    for n, kind in enumerate(("fifo", "dir", "link")):
+        for use in ("dump", "start"):
+            bid = bytes([65 + n]) * 8 + use.encode().ljust(8, b".")
+            path = block_path(root, bid)
+            if kind == "fifo":
+                os.mkfifo(path)
+            elif kind == "dir":
+                path.mkdir()
+            else:
+                path.symlink_to(target)
+            planted[(kind, use)] = (bid, path)
+    for kind in ("fifo", "dir", "link"):
+        bid, path = planted[(kind, "dump")]
+        put(store, bid, 7)
+        assert path.is_file() and not path.is_symlink(), kind
+        out = empty()
+        store.wait(store.load(*whole(bid), out))
+        assert same(out, block(7)), kind
+    capped = make_store(root, posix_capacity_gb=1.0)
+    left = [p for (_, use), (_, p) in planted.items() if use == "start"]
+    deadline = time.monotonic() + 20
+    while any(os.path.lexists(p) for p in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.lexists(p) for p in left)
+    assert target.read_bytes() == b"user data"
+    for (_, use), (bid, _) in planted.items():
+        assert capped.lookup([bid]) == [use == "dump"]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder`` (not followed) and each file's hash."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[rel] = f"link to {os.readlink(p)}"
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[rel] = "directory"
+    return out
+
+
+def in_bucket(b: int, n: int) -> list[bytes]:
+    """``n`` ids whose files live in block directory ``b`` (their first byte)."""
+    return [bytes([b]) + hashlib.blake2b(bytes([b, i]), digest_size=15).digest() for i in range(n)]
+
+
+def test_linked_block_and_work_directories_never_lead_outside(tmp_path: Path, make_store) -> None:
+    """Block directories and the work directory replaced by links to a
+    folder outside the store, before the store starts and while it runs:
+    nothing there is created, read, served or deleted, whatever the store
+    does (dumps, loads, eviction at capacity, start-up clean-up)."""
+    # Valid blocks of the same layout, planted outside where the links lead.
+    donor = make_store(tmp_path / "donor")
+    planted = in_bucket(0xAB, 3) + in_bucket(0xCD, 3)
+    for n, bid in enumerate(planted):
+        put(donor, bid, n)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for bid in planted:
+        shutil.copy(block_path(tmp_path / "donor", bid), outside / bid.hex())
+    # A user's folder shaped like a dead store's work directory.
+    (outside / "project").mkdir()
+    for name in ("lock", "closed", "spare.1", "notes.txt"):
+        (outside / "project" / name).write_bytes(b"user data " + name.encode())
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / "ab").symlink_to(outside)
+    (root / ".work").symlink_to(outside)
+    before = snapshot(outside)
+    store = make_store(root, posix_capacity_gb=24 * SHARDS * (4096 + SHARD) / (1 << 30))
+    # Swapped for a link while the store runs.
+    shutil.rmtree(root / "cd")
+    (root / "cd").symlink_to(outside)
+    assert store.lookup(planted) == [False] * len(planted)
+    for bid in planted:
+        with pytest.raises(BlockNotFoundError):
+            store.wait(store.load(*whole(bid), empty()))
+    # Dumps into both directories, past the capacity: evictions happen.
+    mine = in_bucket(0xAB, 20) + in_bucket(0xCD, 20)
+    for n, bid in enumerate(mine):
+        put(store, bid, 100 + n)
+    out = empty()
+    store.wait(store.load(*whole(mine[-1]), out))
+    assert same(out, block(100 + len(mine) - 1))
+    assert store.stats()["evictions"] > 0
+    store.close()
+    # A second start cleans up after the first.
+    make_store(root).close()
+    assert snapshot(outside) == before
+    # The links themselves were replaced by the store's own directories.
+    for name in ("ab", "cd", ".work"):
+        assert (root / name).is_dir() and not (root / name).is_symlink(), name
 
 
 FOREIGN_LOAD = """
@@ -265,7 +387,10 @@ def test_non_regular_files_at_block_paths_fail_within_the_timeout(
     except subprocess.TimeoutExpired:
         pytest.fail(f"a load of a {kind} at a block path hung")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert "ok" in res.stdout and "not a block file" in res.stdout
+    # A miss (the store saw the block's file replaced) or a refused load:
+    # either at once.
+    refused = "not a block file" in res.stdout or "not in the store" in res.stdout
+    assert "ok" in res.stdout and refused, res.stdout
 
 
 @pytest.mark.parametrize("damage", ["truncate", "zero"])
@@ -277,6 +402,12 @@ def test_committed_block_damaged_after_wait_fails_to_load_and_is_removed(
     store = make_store()
     bid = b"d" * 16
     put(store, bid, 3)
+    # The store's background pass, had it still to read this directory,
+    # would find the damaged file first and drop it from the index (a miss,
+    # as a lookup would see it): this test is about the load that finds it.
+    deadline = time.monotonic() + 20
+    while store.stats().get("indexed") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     path = block_path(tmp_path / "store", bid)
     if damage == "truncate":
         os.truncate(path, path.stat().st_size // 2)
@@ -409,7 +540,9 @@ def test_syncs_follow_durability(tmp_path: Path) -> None:
         from support.store_helpers import SHARD, SHARDS, base_config
         from ucm.store import UcmConnectorFactory
 
-        root = Path(sys.argv[1]); root.mkdir(exist_ok=True)
+        root = Path(sys.argv[1])
+        if sys.argv[3] == "exists":
+            root.mkdir()
         store = UcmConnectorFactory.create_connector(
             "UcmPipelineStore", base_config(root, durability=sys.argv[2], posix_spare_files=0)
         )
@@ -420,14 +553,38 @@ def test_syncs_follow_durability(tmp_path: Path) -> None:
         store.close()
     """
     counts = {}
-    for mode in ("none", "data", "full"):
-        lines = traced(tmp_path, mode, "fsync,fdatasync", code, str(tmp_path / mode), mode)
+    dirs_synced = {}
+    for mode in ("none", "data", "full", "full, new root"):
+        root = tmp_path / mode.replace(", ", "-").replace(" ", "-")
+        durability = mode.split(",")[0]
+        exists = "new" if "new" in mode else "exists"
+        lines = traced(tmp_path, mode, "fsync,fdatasync", code, str(root), durability, exists)
         calls = [line for line in lines if "sync(" in line]
         counts[mode] = (
             sum("fdatasync(" in c for c in calls),
             sum("fsync(" in c and "fdatasync(" not in c for c in calls),
         )
-    assert counts == {"none": (0, 0), "data": (5, 0), "full": (5, 5)}, counts
+
+        def synced(d: Path, calls: list[str] = calls) -> int:
+            return sum(f"<{d}>)" in c and "fsync(" in c and "fdatasync" not in c for c in calls)
+
+        dirs_synced[mode] = (synced(root), synced(tmp_path))
+    # Per block: its data, then (full) its directory after the rename; and
+    # with full, each directory a block depends on once it is made: the
+    # root after the store made its 256 block directories, and the root's
+    # parent after the store made the root.
+    assert counts == {
+        "none": (0, 0),
+        "data": (5, 0),
+        "full": (5, 6),
+        "full, new root": (5, 7),
+    }, counts
+    assert dirs_synced == {
+        "none": (0, 0),
+        "data": (0, 0),
+        "full": (1, 0),
+        "full, new root": (1, 1),
+    }, dirs_synced
 
 
 def test_lookup_only_store_leaves_the_directory_alone(tmp_path: Path, make_store) -> None:

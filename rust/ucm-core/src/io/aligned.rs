@@ -51,15 +51,29 @@ pub fn align_up(len: usize) -> usize {
     len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN
 }
 
-/// One zero-initialised heap allocation aligned to [`DIRECT_ALIGN`].
+/// One zero-initialised allocation aligned to [`DIRECT_ALIGN`].
 ///
 /// The length is exactly what was asked for (it may be 0); the allocation
 /// behind it is at least one byte so that the pointer is always real.
+/// Large buffers are mapped from the kernel rather than taken from the
+/// heap: the allocator zeroes an aligned heap block by writing it, which
+/// would make a buffer pool resident before anything uses it, while mapped
+/// pages are zero and take no memory until they are touched.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
-    layout: Layout,
+    backing: Backing,
 }
+
+/// Where an [`AlignedBuf`]'s memory comes from.
+enum Backing {
+    Heap(Layout),
+    /// An anonymous mapping of this many bytes.
+    Mapped(usize),
+}
+
+/// Buffers from this size on are mapped (see [`AlignedBuf`]).
+const MAP_FROM: usize = 1 << 20;
 
 // SAFETY: `AlignedBuf` uniquely owns its allocation (like `Box<[u8]>`); the
 // raw pointer is never shared with another owner, so moving it to another
@@ -88,11 +102,39 @@ impl AlignedBuf {
     pub fn try_new(len: usize) -> Result<Self, Layout> {
         let layout =
             Layout::from_size_align(len.max(1), DIRECT_ALIGN).map_err(|_| Layout::new::<u8>())?;
+        if len >= MAP_FROM {
+            let map_len = align_up(len);
+            // SAFETY: a fresh private anonymous mapping: no file, no fixed
+            // address, so it can't alias any memory Rust knows of.
+            let raw = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if raw == libc::MAP_FAILED {
+                return Err(layout);
+            }
+            let ptr = NonNull::new(raw.cast::<u8>()).ok_or(layout)?;
+            return Ok(Self {
+                ptr,
+                len,
+                backing: Backing::Mapped(map_len),
+            });
+        }
         // SAFETY: `layout` has a non-zero size (`len.max(1)`) and a valid
         // power-of-two alignment, as `alloc_zeroed` requires.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(layout)?;
-        Ok(Self { ptr, len, layout })
+        Ok(Self {
+            ptr,
+            len,
+            backing: Backing::Heap(layout),
+        })
     }
 
     /// Length in bytes.
@@ -159,9 +201,16 @@ impl DerefMut for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: `ptr` was returned by `alloc_zeroed(self.layout)` and is
-        // freed exactly once, here.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        match self.backing {
+            // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` and is
+            // freed exactly once, here.
+            Backing::Heap(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
+            // SAFETY: `ptr` and `map_len` are the mapping made in `try_new`,
+            // unmapped exactly once, here; nothing borrows it any more.
+            Backing::Mapped(map_len) => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), map_len);
+            },
+        }
     }
 }
 
@@ -513,6 +562,28 @@ impl std::fmt::Debug for BounceBuf {
 
 #[cfg(test)]
 mod tests {
+    /// Pages of `buf` resident in memory (mincore).
+    fn resident_pages(buf: &AlignedBuf) -> usize {
+        let pages = align_up(buf.len()) / 4096;
+        let mut vec = vec![0u8; pages];
+        // SAFETY: the range is the buffer's own page-aligned mapping and
+        // `vec` has one byte per page, as mincore requires.
+        let rc = unsafe { libc::mincore(buf.ptr.as_ptr().cast(), pages * 4096, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        vec.iter().filter(|b| **b & 1 == 1).count()
+    }
+
+    /// A large buffer (a pool's arena) takes no memory until it is used.
+    #[test]
+    fn a_large_buffer_is_not_resident_until_touched() {
+        let mut buf = AlignedBuf::new(64 << 20);
+        assert_eq!(resident_pages(&buf), 0);
+        assert!(buf.as_slice().iter().step_by(4096).all(|b| *b == 0));
+        buf.as_mut_slice()[..8192].fill(7);
+        assert!(resident_pages(&buf) >= 2);
+        assert_eq!(buf.as_ptr() as usize % DIRECT_ALIGN, 0);
+    }
+
     use super::*;
 
     #[test]

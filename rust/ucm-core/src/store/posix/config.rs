@@ -158,6 +158,14 @@ impl PosixConfig {
                         dir.display()
                     ))
                 })?;
+                if self.durability == Durability::Full {
+                    // A durable block needs every directory above it to be.
+                    let parent = p.parent().filter(|q| !q.as_os_str().is_empty());
+                    let parent = parent.unwrap_or(std::path::Path::new("."));
+                    crate::store::safe_fs::Dir::open(parent)
+                        .and_then(|d| d.sync())
+                        .map_err(|e| UcmError::os("fsync", parent, e))?;
+                }
             }
         }
         Ok(())

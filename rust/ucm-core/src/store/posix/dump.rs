@@ -6,39 +6,21 @@
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::config::Durability;
-use super::files::{make_private_dir, remove_entry, OpenFile};
+use super::temp::TempFile;
+use super::tree::Tree;
+use super::usage::Part;
 use super::writer::{self, BlockWriter, Claim};
 use super::{evict, scan, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
 use crate::io::{BounceBuf, IoEngine, IoOp};
-use crate::store::format::layout::{checksum_segs, HEADER_LEN};
+use crate::store::format::carried::{carried, dump_checksum};
+use crate::store::format::layout::HEADER_LEN;
 use crate::task::Task;
-
-/// The code of [`UcmError::NotFound`].
-const NOT_FOUND: i32 = -50005;
-/// True when `e` is the OS error `code`.
-fn is_os_error(e: &UcmError, code: i32) -> bool {
-    matches!(e, UcmError::Os { source, .. } if source.raw_os_error() == Some(code))
-}
-
-/// Spares that fail their check in a row before a dump creates a file.
-const MAX_BAD_SPARES: usize = 4;
-/// Temporary names found taken in a row before a create gives up.
-const MAX_TAKEN_NAMES: usize = 16;
-
-/// A temporary file opened for a new block.
-struct TempFile {
-    path: PathBuf,
-    file: OpenFile,
-    /// It came from the spare pool (and goes back there if unused).
-    spare: bool,
-}
 
 /// The blocks being assembled, and those whose file is still being found.
 #[derive(Default)]
@@ -55,8 +37,18 @@ pub(super) struct Writers {
 impl Writers {
     /// Block files held for blocks not yet published, one per block
     /// assembled or opening.
-    fn files(&self) -> usize {
+    pub(super) fn files(&self) -> usize {
         self.by_block.len() + self.opening.len()
+    }
+
+    /// True when no block is being assembled or opened.
+    pub(super) fn is_empty(&self) -> bool {
+        self.by_block.is_empty() && self.opening.is_empty()
+    }
+
+    /// True when `block` has every shard written and is being published.
+    pub(super) fn committing(&self, block: &BlockId) -> bool {
+        self.by_block.get(block).is_some_and(|w| w.all_written())
     }
 
     /// Every writer, leaving none (`opening` is left as it is: its owners
@@ -130,7 +122,7 @@ impl Shared {
                         return Ok(Some(w.clone()));
                     }
                 }
-                if self.index.contains(block) && self.dumped_again(block) {
+                if self.published(block) && self.dumped_again(block) {
                     return Ok(None);
                 }
                 if !writers.opening.contains(block) {
@@ -147,7 +139,7 @@ impl Shared {
         };
         // Outside the lock: finding a file may evict (rename) a batch, and
         // creating one is slow on some file systems.
-        let root = self.paths.root_index(block);
+        let root = self.tree.root_index(block);
         let temp = self.temp_file(block, root)?;
         let mut writers = self.writers.lock();
         let existing = writers
@@ -155,14 +147,14 @@ impl Shared {
             .get(block)
             .filter(|w| w.failure().is_none())
             .cloned();
-        if existing.is_some() || (self.index.contains(block) && self.dumped_again(block)) {
-            let TempFile { path, file, spare } = temp;
+        if existing.is_some() || (self.published(block) && self.dumped_again(block)) {
+            let TempFile { temp, file, spare } = temp;
             drop(file);
             // Still opening, so the file stays counted until it is back.
             if spare {
-                self.spares.put_back(root, path);
+                self.spares.put_back(root, &temp.name);
             } else {
-                let _ = std::fs::remove_file(path);
+                self.discard_temp(&temp);
             }
             opening.close(&mut writers);
             return Ok(existing);
@@ -173,7 +165,7 @@ impl Shared {
         }
         let w = Arc::new(BlockWriter::new(
             *block,
-            temp.path,
+            temp.temp,
             temp.file,
             self.layout.shard_count,
         ));
@@ -182,128 +174,41 @@ impl Shared {
         Ok(Some(w))
     }
 
+    /// True when `block` is published, as far as this store can tell
+    /// without reading its directory: in the index, or, in a directory the
+    /// index does not know whole, found at its name (one `stat`).
+    fn published(&self, block: &BlockId) -> bool {
+        if self.index.contains(block) {
+            return true;
+        }
+        let bucket = (self.tree.root_index(block), block.0[0]);
+        !self.listing.complete(bucket)
+            && self.tree.bucket(block).is_ok_and(|dir| {
+                scan::probe(&dir, &Tree::block_name(block), self.layout.file_len()).is_some()
+            })
+    }
+
     /// A dump of a block already published: its bytes are there already
     /// (content addressing), but its file's mtime is set to now, which is
     /// what tells every store sharing the directory that it was just
     /// dumped (see `evict`), and its recency here is refreshed. False when
     /// the file is gone (another store evicted it): the dump must write it.
     fn dumped_again(&self, block: &BlockId) -> bool {
-        let path = self.paths.block(block);
-        let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-            return false;
-        };
-        // SAFETY: `c` is a valid NUL-terminated path; a null `times` means
-        // "now" for both timestamps.
-        let rc = unsafe {
-            libc::utimensat(
-                libc::AT_FDCWD,
-                c.as_ptr(),
-                std::ptr::null(),
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
-        if rc != 0 {
-            self.index.remove(block);
-            return false;
-        }
-        let now = scan::nanos(std::time::SystemTime::now());
-        self.index.insert(*block, self.layout.file_len(), None, now);
-        true
-    }
-
-    /// An open file to assemble `block` in: a checked spare when the pool
-    /// has one (a spare that fails the check is removed), else a new file.
-    fn temp_file(&self, block: &BlockId, root: usize) -> Result<TempFile> {
-        for _ in 0..MAX_BAD_SPARES {
-            let Some(path) = self.spare_for_new_block(root) else {
-                break;
-            };
-            if let Some(file) = self.opener.reuse(&path, self.layout.file_len()) {
-                return Ok(TempFile {
-                    path,
-                    file,
-                    spare: true,
-                });
+        let name = Tree::block_name(block);
+        let touched = self.tree.bucket(block).ok().and_then(|dir| {
+            dir.touch(&name).ok()?;
+            dir.lstat(&name).ok()
+        });
+        match touched {
+            Some(st) if st.is_file() && st.len == self.layout.file_len() => {
+                self.index.insert(*block, Some(st.mtime_ns));
+                true
             }
-            remove_entry(&path);
-        }
-        let mut attempt = 0;
-        loop {
-            let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-            let path = self.paths.temp(block, seq);
-            match self.opener.create(&path) {
-                Ok(file) => {
-                    return Ok(TempFile {
-                        path,
-                        file,
-                        spare: false,
-                    })
-                }
-                // Something was planted at this name: never reuse it.
-                Err(e) if is_os_error(&e, libc::EEXIST) && attempt < MAX_TAKEN_NAMES => {}
-                Err(e) if e.code() == NOT_FOUND && attempt == 0 => {
-                    // The work directory was removed under us: make it again.
-                    if let Some(dir) = path.parent() {
-                        if let Some(parent) = dir.parent() {
-                            make_private_dir(parent)?;
-                        }
-                        make_private_dir(dir)?;
-                    }
-                }
-                Err(e) => return Err(e),
+            _ => {
+                self.index.remove(block);
+                false
             }
-            attempt += 1;
         }
-    }
-
-    /// A spare file for a new block under root `root` (registered in
-    /// [`Writers::opening`]). When the pool is empty and the new
-    /// block would take the store past its capacity, evicts a batch
-    /// of cold blocks into the pool now (one rename each) instead of
-    /// creating a file, which on ext4 costs more than writing a 1 MiB
-    /// shard, only for the evictor to delete another one right after. A
-    /// burst of dumps into a store at capacity thus never creates or
-    /// deletes files, whatever the pool's size. None: create a file.
-    pub(super) fn spare_for_new_block(&self, root: usize) -> Option<PathBuf> {
-        if let Some(f) = self.spares.take(root) {
-            return Some(f);
-        }
-        let cap = self.cfg.capacity_bytes;
-        if cap == 0 || !self.spares.enabled() {
-            return None;
-        }
-        let len = self.layout.file_len().max(1);
-        let after = self.bytes_with_unpublished_files();
-        if after <= cap {
-            return None;
-        }
-        // One refill at a time; the others then find its files.
-        let _refilling = self.refill_lock.lock();
-        if let Some(f) = self.spares.take(root) {
-            return Some(f);
-        }
-        // Down to the evictor's low watermark, in one batch.
-        let band = (cap as f64 * evict::LOW_WATERMARK) as u64;
-        // No more than the pool may hold: beyond it, evicted files are deleted.
-        let room = self.recycled_spares().max(1);
-        let want = (after.saturating_sub(band) / len).clamp(1, room);
-        evict::recycle_coldest(self, root, want as usize);
-        self.spares.take(root)
-    }
-
-    /// Bytes of the store's files: blocks, spares, and one block file per
-    /// block assembled or opening (the caller's new block included, as it
-    /// is opening). Read under the writers lock, in the order files move
-    /// through them: a file leaves the index for the pool only once the pool
-    /// counts it (see `evict`), leaves the pool for a block already opening,
-    /// and leaves the writers only once the index counts it (`commit`), so
-    /// a file in motion is counted twice at worst, never missed, and no
-    /// create is taken for room that is not there.
-    fn bytes_with_unpublished_files(&self) -> u64 {
-        let writers = self.writers.lock();
-        let used = self.index.used_bytes();
-        let spares = self.spares.bytes();
-        used + spares + writers.files() as u64 * self.layout.file_len()
     }
 
     /// True when `block` had all its shards written and its commit, in
@@ -313,13 +218,32 @@ impl Shared {
         writer.is_some_and(|w| w.all_written() && w.wait_settled(COMMIT_WAIT))
     }
 
+    /// Removes what sits at a block's name in `dir` when it is not a block
+    /// file (a link itself, a FIFO, a device, an empty directory, a file of
+    /// another length), so that the block can be published there; true
+    /// when something was removed.
+    fn remove_foreign(&self, dir: &super::files::Dir, name: &str, root: usize, part: Part) -> bool {
+        let Ok(st) = dir.lstat(name) else {
+            return false;
+        };
+        if st.is_file() && st.len == self.layout.file_len() {
+            return false; // a block: published by another store meanwhile
+        }
+        let removed = super::files::remove_non_block(dir, name.as_ref(), &st);
+        if removed.is_ok() && st.is_file() {
+            // Scans count every regular file at a block's name.
+            self.usage.add_to(root, part, -(st.len as i64));
+        }
+        removed.is_ok()
+    }
+
     /// Drops every block still being assembled (at close: their missing
     /// shards can no longer arrive) and removes their temporary files.
     pub(super) fn abandon_writers(&self) {
         let pending = self.writers.lock().drain();
         for w in pending {
             w.abandon();
-            let _ = std::fs::remove_file(&w.tmp);
+            self.discard_temp(&w.tmp);
         }
     }
 
@@ -421,10 +345,13 @@ impl Shared {
                 off += s.len;
             }
             head[HEADER_LEN + size..head_len].fill(0);
-            crate::hashing::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
+            // A checksum carried down by a tier above is stored as is.
+            carried(&shard.segs).unwrap_or_else(|| {
+                crate::hashing::xxh3::xxh3_64(&head[HEADER_LEN..HEADER_LEN + size])
+            })
         } else {
             // SAFETY: valid per the caller's contract.
-            unsafe { checksum_segs(&shard.segs) }
+            unsafe { dump_checksum(&shard.segs) }
         };
         head[..HEADER_LEN].fill(0);
         self.header_for(shard, checksum)
@@ -504,7 +431,7 @@ impl Shared {
             writer.settle();
         } else if done.failed_now {
             self.forget_writer(writer);
-            let _ = std::fs::remove_file(&writer.tmp);
+            self.discard_temp(&writer.tmp);
             writer.settle();
         } else if outcome.is_ok() {
             if let Some(e) = writer.failure() {
@@ -518,50 +445,95 @@ impl Shared {
     }
 
     pub(super) fn commit(&self, writer: &BlockWriter) -> Result<()> {
-        let dst = self.paths.block(&writer.block);
+        let tmp = &writer.tmp;
+        let file_len = self.layout.file_len();
         let synced = match self.cfg.durability {
             Durability::None => Ok(()),
             Durability::Data | Durability::Full => writer
                 .file
                 .file
                 .sync_data()
-                .map_err(|e| UcmError::os("fdatasync", &writer.tmp, e)),
+                .map_err(|e| UcmError::os("fdatasync", &tmp.path, e)),
         };
-        if let Err(e) = synced {
-            let _ = std::fs::remove_file(&writer.tmp);
-            return Err(e);
+        let bucket = synced.and_then(|()| self.tree.bucket(&writer.block));
+        let bucket = match bucket {
+            Ok(b) => b,
+            Err(e) => {
+                self.discard_temp(tmp);
+                return Err(e);
+            }
+        };
+        let name = Tree::block_name(&writer.block);
+        let Some(work) = &self.work else {
+            return Err(UcmError::Closed);
+        };
+        let part = Part::Bucket(writer.block.0[0]);
+        let changing = self.usage.changing(tmp.root, &[part]);
+        let publish = || {
+            let dir = work.dir(tmp.root);
+            match dir.rename_noreplace(&tmp.name, &bucket, &name) {
+                // A file system without the flag (NFS): a plain rename, which
+                // may replace a copy another store published meanwhile.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    dir.rename(&tmp.name, &bucket, &name)
+                }
+                r => r,
+            }
+        };
+        let mut renamed = publish();
+        if renamed
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::AlreadyExists)
+            && self.remove_foreign(&bucket, &name, tmp.root, part)
+        {
+            renamed = publish();
         }
-        if let Err(e) = std::fs::rename(&writer.tmp, &dst) {
-            let _ = std::fs::remove_file(&writer.tmp);
-            return Err(UcmError::os("rename", &writer.tmp, e));
-        }
-        if self.cfg.durability == Durability::Full {
-            if let Some(dir) = dst.parent() {
-                // The block is in the index only once its name is durable;
-                // a failed sync leaves it unpublished (the rename may or may
-                // not survive a crash, and its checksum covers either case).
-                sync_dir(dir).inspect_err(|_| {
-                    let _ = std::fs::remove_file(&dst);
-                })?;
+        match renamed {
+            Ok(()) => self.usage.add_to(tmp.root, part, file_len as i64),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                // Published meanwhile by another store: the same bytes (the
+                // id is their hash). Ours goes; theirs counts as dumped now.
+                self.discard_temp(tmp);
+                return if self.dumped_again(&writer.block) {
+                    Ok(())
+                } else {
+                    Err(UcmError::os("rename", &tmp.path, e))
+                };
+            }
+            Err(e) => {
+                self.discard_temp(tmp);
+                return Err(UcmError::os("rename", &tmp.path, e));
             }
         }
-        // The file's mtime as this store knows it: a later one means another
-        // store sharing the directory dumped the block since (see evict).
+        drop(changing);
+        if self.cfg.durability == Durability::Full {
+            // The block is in the index only once its name is durable;
+            // a failed sync leaves it unpublished (the rename may or may
+            // not survive a crash, and its checksum covers either case).
+            if let Err(e) = bucket.sync() {
+                let _changing = self.usage.changing(tmp.root, &[part]);
+                if bucket.remove_file(&name).is_ok() {
+                    self.usage.add_to(tmp.root, part, -(file_len as i64));
+                }
+                return Err(UcmError::os("fsync", bucket.path(), e));
+            }
+        }
+        // The file's mtime as this store wrote it: a store sharing the
+        // directory that dumps the block again changes it (see evict).
         let mtime = writer
             .file
             .file
             .metadata()
             .and_then(|m| m.modified())
             .map_or(0, scan::nanos);
-        self.index
-            .insert(writer.block, self.layout.file_len(), None, mtime);
+        self.index.insert(writer.block, Some(mtime));
         self.counters
             .blocks_committed
             .fetch_add(1, Ordering::Relaxed);
         // The wake when this writer took its spare came before this block
         // counted as used: at the capacity, the pool is refilled only now.
         if self.cfg.capacity_bytes > 0
-            && (self.index.used_bytes() > self.cfg.capacity_bytes || self.spare_reserve_bytes() > 0)
+            && (self.blocks_bytes() > self.cfg.capacity_bytes || self.spare_reserve_bytes() > 0)
         {
             evict::wake(self);
         }
@@ -575,18 +547,11 @@ fn write_outcome(res: std::io::Result<usize>, expected: usize, writer: &BlockWri
         Ok(n) if n == expected => Ok(()),
         Ok(n) => Err(UcmError::Os {
             op: "pwrite",
-            path: writer.tmp.display().to_string(),
+            path: writer.tmp.path.display().to_string(),
             source: Arc::new(std::io::Error::other(format!(
                 "short write: {n} of {expected} bytes"
             ))),
         }),
-        Err(e) => Err(UcmError::os("pwrite", &writer.tmp, e)),
+        Err(e) => Err(UcmError::os("pwrite", &writer.tmp.path, e)),
     }
-}
-
-/// Makes the entries of `dir` durable (`fsync` of the directory).
-fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| UcmError::os("fsync", dir, e))
 }

@@ -16,6 +16,10 @@
 //!
 //! The directory is hostile ground: another local user or a second store
 //! may have put anything at any of these names. Hence:
+//! * every directory below a root is opened one name at a time relative
+//!   to an open descriptor, never through a link ([`Tree`]), and every file
+//!   operation names a file relative to its directory's descriptor: a link
+//!   at a block or work directory's name can't lead the store outside;
 //! * temporaries are created with `O_CREAT|O_EXCL|O_NOFOLLOW` (a planted
 //!   file or symlink is never reused or followed), under a random token;
 //! * a spare is reopened with `O_NOFOLLOW` and checked with `fstat` (a
@@ -30,17 +34,18 @@
 //!   volume), unlike asking whether a pid exists.
 
 use std::ffi::CString;
-use std::fs::{File, Metadata, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::block::{BlockId, MemSeg};
+use rustix::fs::OFlags;
+
+use crate::block::MemSeg;
 use crate::error::{Damage, Result, UcmError};
 use crate::io::DIRECT_ALIGN;
-use crate::store::safe_fs::open_nofollow;
-pub use crate::store::safe_fs::{euid, kind_of, remove_entry};
+pub use crate::store::safe_fs::{euid, kind_of, Dir, EntryStat};
 
 /// Directory under each root holding the stores' work directories.
 pub const WORK_DIR: &str = ".work";
@@ -119,75 +124,6 @@ pub fn random_token() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Naming of block files under the store's roots.
-pub struct Paths {
-    roots: Vec<PathBuf>,
-    token: String,
-}
-
-impl Paths {
-    /// `roots` must exist; call [`Paths::create_dirs`] to make subdirs.
-    pub fn new(roots: Vec<PathBuf>) -> Self {
-        Paths {
-            roots,
-            token: random_token(),
-        }
-    }
-
-    /// The token of this store instance (its work directories' name).
-    pub fn token(&self) -> &str {
-        &self.token
-    }
-
-    /// The store's root directories.
-    pub fn roots(&self) -> &[PathBuf] {
-        &self.roots
-    }
-
-    /// Index of the root a block lives under.
-    pub fn root_index(&self, id: &BlockId) -> usize {
-        (id.prefix_u64() % self.roots.len() as u64) as usize
-    }
-
-    fn root_of(&self, id: &BlockId) -> &Path {
-        &self.roots[self.root_index(id)]
-    }
-
-    /// Directory holding the block.
-    pub fn dir(&self, id: &BlockId) -> PathBuf {
-        let hex = id.hex();
-        self.root_of(id).join(&hex[..2])
-    }
-
-    /// Final (published) path of a block.
-    pub fn block(&self, id: &BlockId) -> PathBuf {
-        let hex = id.hex();
-        self.root_of(id).join(&hex[..2]).join(hex)
-    }
-
-    /// This instance's work directory under root `root`.
-    pub fn work_dir(&self, root: usize) -> PathBuf {
-        self.roots[root].join(WORK_DIR).join(&self.token)
-    }
-
-    /// A fresh temporary path for writing `id`, in this instance's work
-    /// directory of the block's root.
-    pub fn temp(&self, id: &BlockId, seq: u64) -> PathBuf {
-        self.work_dir(self.root_index(id))
-            .join(format!("{}.{seq}", id.hex()))
-    }
-
-    /// Creates the 256 block directories of every root, mode 0700.
-    pub fn create_dirs(&self) -> Result<()> {
-        for root in &self.roots {
-            for b in 0..=255u8 {
-                make_private_dir(&root.join(format!("{b:02x}")))?;
-            }
-        }
-        Ok(())
-    }
-}
-
 /// Creates `dir` (if missing) with mode 0700.
 pub fn make_private_dir(dir: &Path) -> Result<()> {
     match std::fs::create_dir(dir) {
@@ -196,6 +132,31 @@ pub fn make_private_dir(dir: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
         Err(e) => Err(UcmError::os("mkdir", dir, e)),
     }
+}
+
+/// Removes `name` in `dir`, something other than a block file found at a
+/// block's name (`st`, from `lstat`): a directory only when empty, a link
+/// itself, never its target. Says what it removed or had to leave.
+pub fn remove_non_block(dir: &Dir, name: &std::ffi::OsStr, st: &EntryStat) -> std::io::Result<()> {
+    let removed = if st.is_dir() {
+        dir.remove_dir(name)
+    } else {
+        dir.remove_file(name)
+    };
+    let path = dir.join(name);
+    match &removed {
+        Ok(()) => log::warn!(
+            "removed {} from the store: it is {}, not a block file",
+            path.display(),
+            st.describe()
+        ),
+        Err(e) => log::warn!(
+            "left {} in the store ({}, never served as a block): {e}",
+            path.display(),
+            st.describe()
+        ),
+    }
+    removed
 }
 
 /// Opens block files, with O_DIRECT when asked and supported.
@@ -223,24 +184,31 @@ impl Opener {
         }
     }
 
-    /// Opens with `opts` (never following a symlink, never blocking in
-    /// `open`) plus O_DIRECT when in effect, falling back to buffered I/O
-    /// once for all when the file system refuses O_DIRECT.
-    fn open(&self, path: &Path, opts: &OpenOptions) -> std::io::Result<OpenFile> {
-        let attempt =
-            |direct: bool| open_nofollow(path, opts, if direct { libc::O_DIRECT } else { 0 });
+    /// Runs `open` with O_DIRECT when in effect, falling back to buffered
+    /// I/O once for all when the file system refuses O_DIRECT.
+    fn open(
+        &self,
+        dir: &Dir,
+        name: &str,
+        open: impl Fn(OFlags) -> std::io::Result<File>,
+    ) -> std::io::Result<OpenFile> {
         let direct = self.direct.load(Ordering::Relaxed);
-        match attempt(direct) {
+        let flags = if direct {
+            OFlags::DIRECT
+        } else {
+            OFlags::empty()
+        };
+        match open(flags) {
             Ok(file) => Ok(OpenFile { file, direct }),
             Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
                 // Some FUSE and network file systems refuse O_DIRECT.
                 if self.direct.swap(false, Ordering::Relaxed) {
                     log::warn!(
                         "O_DIRECT is not supported under {}; continuing with buffered I/O",
-                        path.display()
+                        dir.join(name).display()
                     );
                 }
-                attempt(false).map(|file| OpenFile {
+                open(OFlags::empty()).map(|file| OpenFile {
                     file,
                     direct: false,
                 })
@@ -249,46 +217,64 @@ impl Opener {
         }
     }
 
-    /// Opens a published block of `len` bytes for reading. Anything at the
-    /// path but a regular file of exactly that length (of ours, in strict
-    /// mode) is [`UcmError::Corrupt`], found before any byte is read; a
-    /// missing file is [`UcmError::NotFound`].
-    pub fn read(&self, path: &Path, len: u64) -> Result<OpenFile> {
+    /// Opens the published block `name` of `len` bytes in `dir` for
+    /// reading. Anything there but a regular file of exactly that length
+    /// (of ours, in strict mode) is [`UcmError::Corrupt`], found before any
+    /// byte is read; a missing file is [`UcmError::NotFound`].
+    pub fn read(&self, dir: &Dir, name: &str, len: u64) -> Result<OpenFile> {
+        let path = || dir.join(name);
         // Not even opened unless it looks like a block: opening a device
         // can have side effects, and a FIFO would block.
-        let meta = std::fs::symlink_metadata(path).map_err(|e| UcmError::os("stat", path, e))?;
-        self.check_block(path, &meta, len)?;
-        let mut opts = OpenOptions::new();
-        opts.read(true);
-        let open = self.open(path, &opts).map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => foreign(path, "a symbolic link"),
-            _ => UcmError::os("open", path, e),
-        })?;
+        let st = dir
+            .lstat(name)
+            .map_err(|e| UcmError::os("stat", path(), e))?;
+        self.check_block(&path(), &st, len)?;
+        let open = self
+            .open(dir, name, |flags| {
+                dir.open_file(name, OFlags::RDONLY | flags)
+            })
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => foreign(&path(), "a symbolic link"),
+                _ => UcmError::os("open", path(), e),
+            })?;
         // Swapped between the lstat and the open?
         let meta = open
             .file
             .metadata()
-            .map_err(|e| UcmError::os("fstat", path, e))?;
-        self.check_block(path, &meta, len)?;
+            .map_err(|e| UcmError::os("fstat", path(), e))?;
+        let st = EntryStat {
+            kind: if meta.file_type().is_file() {
+                rustix::fs::FileType::RegularFile
+            } else {
+                rustix::fs::FileType::from_raw_mode(meta.mode() as _)
+            },
+            len: meta.len(),
+            mtime_ns: 0,
+            uid: meta.uid(),
+            nlink: meta.nlink(),
+            ino: meta.ino(),
+            dev: meta.dev(),
+        };
+        self.check_block(&path(), &st, len)?;
         Ok(open)
     }
 
-    fn check_block(&self, path: &Path, meta: &Metadata, len: u64) -> Result<()> {
-        if !meta.file_type().is_file() {
-            return Err(foreign(path, kind_of(meta)));
+    fn check_block(&self, path: &Path, st: &EntryStat, len: u64) -> Result<()> {
+        if !st.is_file() {
+            return Err(foreign(path, st.describe()));
         }
-        if self.own_files_only && meta.uid() != euid() {
+        if self.own_files_only && st.uid != euid() {
             return Err(foreign(
                 path,
                 &format!(
                     "a file of uid {} (posix_strict accepts only files of uid {})",
-                    meta.uid(),
+                    st.uid,
                     euid()
                 ),
             ));
         }
-        if meta.len() != len {
-            let (damage, what) = if meta.len() < len {
+        if st.len != len {
+            let (damage, what) = if st.len < len {
                 (Damage::Truncated, "file is truncated")
             } else {
                 (Damage::NotBlockFile, "file is longer than a block")
@@ -297,28 +283,29 @@ impl Opener {
                 damage,
                 None,
                 None,
-                format!("{}: {what} ({} of {len} bytes)", path.display(), meta.len()),
+                format!("{}: {what} ({} of {len} bytes)", path.display(), st.len),
             ));
         }
         Ok(())
     }
 
-    /// Creates a new temporary file (0600) at `path` for writing: never an
-    /// existing file, never through a symlink.
-    pub fn create(&self, path: &Path) -> Result<OpenFile> {
-        let mut opts = OpenOptions::new();
-        opts.write(true).create_new(true).mode(0o600);
-        self.open(path, &opts)
-            .map_err(|e| UcmError::os("create", path, e))
+    /// Creates a new temporary file (0600) `name` in `dir` for writing:
+    /// never an existing file, never through a link.
+    pub fn create(&self, dir: &Dir, name: &str) -> Result<OpenFile> {
+        self.open(dir, name, |flags| dir.create_file(name, 0o600, flags))
+            .map_err(|e| UcmError::os("create", dir.join(name), e))
     }
 
-    /// Opens a spare file of this store for writing, after checking it is
-    /// what the store made: a regular file owned by this uid with one link
-    /// and at most `len` bytes. None (the caller discards it) otherwise.
-    pub fn reuse(&self, path: &Path, len: u64) -> Option<OpenFile> {
-        let mut opts = OpenOptions::new();
-        opts.write(true);
-        let open = self.open(path, &opts).ok()?;
+    /// Opens the spare file `name` of this store in `dir` for writing,
+    /// after checking it is what the store made: a regular file owned by
+    /// this uid with one link and at most `len` bytes. None (the caller
+    /// discards it) otherwise.
+    pub fn reuse(&self, dir: &Dir, name: &str, len: u64) -> Option<OpenFile> {
+        let open = self
+            .open(dir, name, |flags| {
+                dir.open_file(name, OFlags::WRONLY | flags)
+            })
+            .ok()?;
         let meta = open.file.metadata().ok()?;
         let ours = meta.file_type().is_file()
             && meta.uid() == euid()
@@ -327,7 +314,7 @@ impl Opener {
         if !ours {
             log::warn!(
                 "spare file {} was replaced by {} of uid {} with {} link(s); discarded",
-                path.display(),
+                dir.join(name).display(),
                 kind_of(&meta),
                 meta.uid(),
                 meta.nlink()
@@ -356,16 +343,6 @@ pub fn try_lock(file: &File) -> bool {
     unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
 
-/// Paths over one new temporary directory (returned too: it lives as long
-/// as the caller keeps it), with the store's directories made.
-#[cfg(test)]
-pub(crate) fn temp_paths() -> (tempfile::TempDir, Paths) {
-    let d = tempfile::tempdir().unwrap();
-    let paths = Paths::new(vec![d.path().to_path_buf()]);
-    paths.create_dirs().unwrap();
-    (d, paths)
-}
-
 /// True when the page at `offset` of `file` is in the page cache: a
 /// 4 KiB read that may not wait for the disk (`RWF_NOWAIT`) got it all.
 /// False on any error, including kernels without the flag.
@@ -392,30 +369,65 @@ pub fn page_cached(file: &File, offset: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::BlockId;
+    use crate::store::posix::tree::{temp_tree, Tree};
 
     #[test]
     fn names_and_modes() {
-        let (d, paths) = temp_paths();
+        let (d, tree) = temp_tree();
         let id = BlockId([0xab; 16]);
-        assert_eq!(paths.block(&id), d.path().join("ab").join("ab".repeat(16)));
-        let tmp = paths.temp(&id, 3);
-        assert!(tmp.starts_with(d.path().join(WORK_DIR).join(paths.token())));
+        assert_eq!(
+            tree.block_path(&id),
+            d.path().join("ab").join("ab".repeat(16))
+        );
         let mode = std::fs::metadata(d.path().join("ab"))
             .unwrap()
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o700);
-        make_private_dir(&d.path().join(WORK_DIR)).unwrap();
-        make_private_dir(&paths.work_dir(0)).unwrap();
+        let bucket = tree.bucket(&id).unwrap();
         let opener = Opener::new(false, false);
-        drop(opener.create(&tmp).unwrap());
-        let mode = std::fs::metadata(&tmp).unwrap().permissions().mode();
+        drop(opener.create(&bucket, "t").unwrap());
+        let mode = std::fs::metadata(d.path().join("ab/t"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         // Never an existing file.
-        assert!(opener.create(&tmp).is_err());
+        assert!(opener.create(&bucket, "t").is_err());
         let al = direct_align(d.path());
         assert!(al.mem.is_power_of_two() && al.len.is_power_of_two());
         assert_ne!(random_token(), random_token());
+    }
+
+    /// A block directory replaced by a link to a folder outside the store
+    /// is never followed: a store that repairs removes the link and makes
+    /// the directory again; one that doesn't (lookup-only) refuses it.
+    #[test]
+    fn a_linked_block_directory_is_never_followed() {
+        let (d, tree) = temp_tree();
+        let outside = tempfile::tempdir().unwrap();
+        let id = BlockId([0xab; 16]);
+        std::fs::write(outside.path().join(id.hex()), b"planted").unwrap();
+        std::fs::remove_dir(d.path().join("ab")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), d.path().join("ab")).unwrap();
+        let lookup_only = Tree::open(&[d.path().to_path_buf()], false, false).unwrap();
+        let e = lookup_only.bucket(&id).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        let bucket = tree.bucket(&id).unwrap();
+        assert!(
+            bucket.lstat(id.hex()).is_err(),
+            "nothing of outside is seen"
+        );
+        assert!(std::fs::symlink_metadata(d.path().join("ab"))
+            .unwrap()
+            .is_dir());
+        assert!(outside.path().join(id.hex()).exists(), "the target stays");
+        // A regular file at a block directory's name is not ours to remove.
+        std::fs::remove_dir(d.path().join("cd")).unwrap();
+        std::fs::write(d.path().join("cd"), b"user data").unwrap();
+        assert!(tree.bucket(&BlockId([0xcd; 16])).is_err());
+        assert_eq!(std::fs::read(d.path().join("cd")).unwrap(), b"user data");
     }
 
     /// A page just written is cached; one past the end never is; one
@@ -429,56 +441,76 @@ mod tests {
         assert!(page_cached(&f, 0) && page_cached(&f, (64 << 10) - 1));
         assert!(!page_cached(&f, 64 << 10));
         f.sync_all().unwrap();
-        // SAFETY: plain syscalls on an open descriptor.
-        let dropped = unsafe {
-            libc::fdatasync(f.as_raw_fd());
-            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0
-        };
-        // SAFETY: `statfs` is plain data, fully written by the call below.
-        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-        let c = CString::new(d.path().as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: valid path and out-pointer.
-        let tmpfs =
-            unsafe { libc::statfs(c.as_ptr(), &mut fs) } == 0 && fs.f_type == libc::TMPFS_MAGIC;
-        if dropped && !tmpfs {
+        // DONTNEED may leave a page that another CPU still batches for its
+        // LRU list: ask a few times, and believe `mincore`, which reads the
+        // page cache another way, about whether the page left.
+        let mut dropped = false;
+        for _ in 0..20 {
+            // SAFETY: plain syscalls on an open descriptor.
+            unsafe {
+                libc::fdatasync(f.as_raw_fd());
+                libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+            }
+            if !resident(&f) {
+                dropped = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        if dropped {
             assert!(!page_cached(&f, 0), "a dropped page reads as cached");
+        }
+    }
+
+    /// The first page of `f` is in the page cache, by `mincore` over a map.
+    fn resident(f: &File) -> bool {
+        // SAFETY: a private read-only map of an open file's first page,
+        // unmapped before return; `mincore` writes one byte into `vec`.
+        unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            );
+            if p == libc::MAP_FAILED {
+                return true;
+            }
+            let mut vec = 0u8;
+            let rc = libc::mincore(p, 4096, &mut vec);
+            libc::munmap(p, 4096);
+            rc != 0 || vec & 1 == 1
         }
     }
 
     #[test]
     fn reads_only_regular_files_of_the_block_length() {
         let d = tempfile::tempdir().unwrap();
+        let dir = Dir::open(d.path()).unwrap();
         let opener = Opener::new(false, false);
-        let good = d.path().join("good");
-        std::fs::write(&good, [7u8; 100]).unwrap();
-        assert!(opener.read(&good, 100).is_ok());
-        let short = opener.read(&good, 101).err().unwrap();
+        std::fs::write(d.path().join("good"), [7u8; 100]).unwrap();
+        assert!(opener.read(&dir, "good", 100).is_ok());
+        let short = opener.read(&dir, "good", 101).err().unwrap();
         assert_eq!(short.code(), -50011, "{short}");
-        let link = d.path().join("link");
-        std::os::unix::fs::symlink(&good, &link).unwrap();
-        let e = opener.read(&link, 100).err().unwrap();
+        std::os::unix::fs::symlink(d.path().join("good"), d.path().join("link")).unwrap();
+        let e = opener.read(&dir, "link", 100).err().unwrap();
         assert!(e.to_string().contains("symbolic link"), "{e}");
         let fifo = d.path().join("fifo");
         let c = CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let e = opener.read(&fifo, 100).err().unwrap();
+        let e = opener.read(&dir, "fifo", 100).err().unwrap();
         assert!(e.to_string().contains("FIFO"), "{e}");
-        let e = opener.read(d.path(), 100).err().unwrap();
+        std::fs::create_dir(d.path().join("sub")).unwrap();
+        let e = opener.read(&dir, "sub", 100).err().unwrap();
         assert!(e.to_string().contains("directory"), "{e}");
-        assert_eq!(
-            opener
-                .read(&d.path().join("none"), 100)
-                .err()
-                .unwrap()
-                .code(),
-            -50005
-        );
+        assert_eq!(opener.read(&dir, "none", 100).err().unwrap().code(), -50005);
         // A symlink planted at a spare's name is not followed.
-        let spare = d.path().join("spare");
-        std::os::unix::fs::symlink(&good, &spare).unwrap();
-        assert!(opener.reuse(&spare, 100).is_none());
-        remove_entry(&spare);
-        assert!(good.exists() && !spare.exists());
+        std::os::unix::fs::symlink(d.path().join("good"), d.path().join("spare")).unwrap();
+        assert!(opener.reuse(&dir, "spare", 100).is_none());
+        dir.remove_entry("spare");
+        assert!(d.path().join("good").exists() && !d.path().join("spare").exists());
     }
 }

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use super::index;
+use super::tree::Tree;
 use super::{files, Shared};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Damage, Result, UcmError};
@@ -42,22 +43,28 @@ impl Shared {
                 )))
             }
         };
-        let path = self.paths.block(block);
-        match self.opener.read(&path, self.layout.file_len()) {
+        let opened = self.tree.bucket(block).and_then(|dir| {
+            let f = self
+                .opener
+                .read(&dir, &Tree::block_name(block), self.layout.file_len());
+            if let Err(e @ UcmError::Corrupt { .. }) = &f {
+                // Not a block file (a symlink, FIFO, device, directory, a
+                // file of the wrong size): it would fail every later load,
+                // and the next dump of the block replaces it.
+                let _moves = self.file_moves.lock(&self.tree, block);
+                self.index.remove(block);
+                self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
+                self.remove_block_file(&dir, block);
+                log::warn!("{e}; removed it from the store");
+            }
+            f
+        });
+        match opened {
             Ok(f) => Ok((pin, f)),
             Err(e) => {
                 if e.code() == -50005 {
                     // Evicted or deleted behind our back.
                     self.index.remove(block);
-                } else if matches!(e, UcmError::Corrupt { .. }) {
-                    // Not a block file (a symlink, FIFO, device, directory,
-                    // a file of the wrong size): it would fail every later
-                    // load, and the next dump of the block replaces it.
-                    let _moves = self.file_moves.lock();
-                    self.index.remove(block);
-                    self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
-                    files::remove_entry(&path);
-                    log::warn!("{e}; removed it from the store");
                 }
                 Err(e)
             }
@@ -245,7 +252,7 @@ impl Shared {
             head,
             bounced,
         } = got;
-        let n = res.map_err(|e| UcmError::os("read", self.paths.block(&shard.block), e))?;
+        let n = res.map_err(|e| UcmError::os("read", self.tree.block_path(&shard.block), e))?;
         if n < expected {
             return Err(UcmError::corrupt(
                 Damage::Truncated,
@@ -268,6 +275,8 @@ impl Shared {
         if sum != hdr.checksum {
             return Err(UcmError::shard_checksum(shard.block, shard.index));
         }
+        // A tier above filling its memory keeps the stored checksum.
+        crate::store::format::carried::report_verified(&shard.segs, hdr.checksum);
         Ok(())
     }
 
@@ -317,12 +326,32 @@ impl Shared {
             self.counters.corrupt_loads.fetch_add(1, Ordering::Relaxed);
             // A corrupt file would fail every later load: drop it so
             // the next dump of this block rewrites it.
-            let _moves = self.file_moves.lock();
+            let _moves = self.file_moves.lock(&self.tree, &shard.block);
             self.index.remove(&shard.block);
-            let _ = std::fs::remove_file(self.paths.block(&shard.block));
+            if let Ok(dir) = self.tree.bucket(&shard.block) {
+                self.remove_block_file(&dir, &shard.block);
+            }
             log::warn!("{e}; the block file was removed");
         }
         e
+    }
+
+    /// Removes whatever sits at `block`'s name in `dir` (the block's
+    /// directory), never following it, and what the root's usage counted
+    /// for it: a regular file's length (every store counts those).
+    pub(super) fn remove_block_file(&self, dir: &files::Dir, block: &BlockId) {
+        let name = Tree::block_name(block);
+        let counted = dir
+            .lstat(&name)
+            .ok()
+            .filter(|st| st.is_file())
+            .map_or(0, |st| st.len);
+        let part = super::usage::Part::Bucket(block.0[0]);
+        let root = self.tree.root_index(block);
+        let _changing = self.usage.changing(root, &[part]);
+        if dir.remove_file(&name).is_ok() {
+            self.usage.add_to(root, part, -(counted as i64));
+        }
     }
 
     /// Reads one shard of a block file again into private memory and checks
@@ -331,9 +360,14 @@ impl Shared {
         use std::os::unix::fs::FileExt;
         let size = self.layout.shard_size;
         let buffered = files::Opener::new(false, self.cfg.strict);
-        let Ok(files::OpenFile { file, .. }) =
-            buffered.read(&self.paths.block(&shard.block), self.layout.file_len())
-        else {
+        let Ok(dir) = self.tree.bucket(&shard.block) else {
+            return false;
+        };
+        let Ok(files::OpenFile { file, .. }) = buffered.read(
+            &dir,
+            &Tree::block_name(&shard.block),
+            self.layout.file_len(),
+        ) else {
             return false;
         };
         let mut buf = vec![0u8; HEADER_LEN + size];

@@ -16,7 +16,10 @@
 //!   so blocks written by other processes sharing the directory (vLLM's
 //!   workers, another engine) are found too.
 //! * Capacity: above `capacity_bytes` a background thread evicts the least
-//!   recently used unpinned blocks down to 90 % of it ([`evict`]).
+//!   recently used unpinned blocks down to 90 % of it ([`evict`]). The
+//!   bytes counted are the directory's, as every store writing there
+//!   counts them together ([`usage`]), so stores sharing a directory keep
+//!   it within the smallest capacity among them.
 //! * Opening (directories, index, engine, threads): `open`; loads and
 //!   dumps: `load`, `dump`.
 
@@ -25,12 +28,21 @@ mod dump;
 mod evict;
 pub mod files;
 pub mod index;
+mod indexer;
+mod listing;
 mod load;
+mod lookup;
 mod maintain;
+pub mod marker;
+mod moves;
 mod open;
 pub mod scan;
 mod spare;
+mod table;
+mod temp;
+mod tree;
 mod trust;
+pub mod usage;
 mod work;
 mod writer;
 
@@ -38,17 +50,19 @@ pub use config::{Durability, PosixConfig, KEYS};
 pub use maintain::PosixMaintenance;
 
 use std::os::fd::RawFd;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use self::files::{DirectAlign, Opener, Paths};
+use self::files::{DirectAlign, Opener};
 use self::index::Index;
 use self::load::load_runs;
 use self::spare::SparePool;
+use self::tree::Tree;
+use self::usage::Usage;
+use self::work::WorkDirs;
 use super::{Store, StoreDebug, StoreFacts, StoreStats};
 use crate::block::{BlockId, MemSeg, ShardIo};
 use crate::error::{Result, UcmError};
@@ -59,7 +73,9 @@ use crate::task::{TaskId, TaskRegistry, WorkerPool};
 /// Counters of one store's activity since it was opened.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct PosixStats {
-    /// Committed blocks in the index.
+    /// Blocks in the index: every block under the roots once the pass
+    /// after opening finished (see `indexer`); in a store that writes
+    /// without a capacity, those it wrote or looked up.
     pub blocks: u64,
     /// Bytes those blocks hold on disk.
     pub used_bytes: u64,
@@ -92,7 +108,7 @@ struct Counters {
 struct Shared {
     cfg: PosixConfig,
     layout: Layout,
-    paths: Paths,
+    tree: Tree,
     opener: Opener,
     align: DirectAlign,
     index: Arc<Index>,
@@ -108,25 +124,35 @@ struct Shared {
     max_inflight: usize,
     evict_signal: (Mutex<evict::Signal>, Condvar),
     spares: SparePool,
-    /// Held while a dump refills the spare pool by evicting.
+    /// Held while a dump refills the spare pool by evicting, and by the
+    /// evictor's pass, so that they never evict for the same excess.
     refill_lock: Mutex<()>,
-    /// Held by an eviction from taking the block out of the index until
-    /// its file has left the block's name, and by a lookup from probing a
-    /// block's name until it has indexed what it found: otherwise a lookup
-    /// in between finds the file still there and indexes a block whose
-    /// file is about to become a spare (a hit no load can serve).
-    file_moves: Mutex<()>,
+    /// Orders evictions moving files away with the listings and probes
+    /// that index what they find (see [`moves`]).
+    file_moves: moves::FileMoves,
     /// Commits for the committer threads; `None` stops one.
     commits: crossbeam_channel::Sender<Option<CommitJob>>,
-    /// This instance's locked work directories (None: lookup-only, or closed).
-    work: Mutex<Option<work::WorkDirs>>,
+    /// This instance's locked work directories (None: lookup-only).
+    work: Option<Arc<WorkDirs>>,
+    /// The bytes under the roots, counted with every store writing there.
+    usage: Arc<Usage>,
+    /// Which block directories the index has read.
+    listing: listing::Listing,
+    /// The background pass has read (and, with a capacity, dated) every
+    /// block directory: the evictor sees the whole directory.
+    indexed: AtomicBool,
+    /// Asks the background pass and the watcher to stop (the store closes).
+    stopping: AtomicBool,
 }
 
 type CommitJob = Box<dyn FnOnce() + Send + 'static>;
 
 struct Runtime {
-    engine: Arc<dyn IoEngine>,
+    /// None in a store that only looks up.
+    engine: Option<Arc<dyn IoEngine>>,
     workers: WorkerPool,
+    indexer: Option<JoinHandle<()>>,
+    watcher: Option<JoinHandle<()>>,
     evictor: Option<JoinHandle<()>>,
     spare_filler: Option<JoinHandle<()>>,
     committers: Vec<JoinHandle<()>>,
@@ -157,6 +183,19 @@ impl PosixStore {
         }
     }
 
+    /// Waits (at most `timeout`) for the background pass that reads every
+    /// block directory after the store opened; true once it finished.
+    pub fn wait_indexed(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.shared.indexed.load(Ordering::Acquire) {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        true
+    }
+
     /// The file geometry in use.
     pub fn layout(&self) -> &Layout {
         &self.shared.layout
@@ -167,7 +206,7 @@ impl PosixStore {
         self.runtime
             .lock()
             .as_ref()
-            .map_or("closed", |r| r.engine.name())
+            .map_or("closed", |r| r.engine.as_ref().map_or("none", |e| e.name()))
     }
 
     fn check_shards(&self, shards: &[ShardIo]) -> Result<()> {
@@ -187,6 +226,7 @@ impl PosixStore {
         self.check_shards(&shards)?;
         let rt = self.runtime.lock();
         let rt = rt.as_ref().ok_or(UcmError::Closed)?;
+        let engine = rt.engine.clone().ok_or(UcmError::Closed)?;
         let task = self.shared.tasks.create(kind, shards.len());
         let load = kind == "load";
         let runs = if load {
@@ -196,7 +236,7 @@ impl PosixStore {
         };
         for run in runs {
             let shared = self.shared.clone();
-            let engine = rt.engine.clone();
+            let engine = engine.clone();
             let job_task = task.clone();
             let units = run.len();
             let queued = rt.workers.spawn(move || {
@@ -228,63 +268,7 @@ impl PosixStore {
     }
 }
 
-/// Index misses in one block directory, within one lookup, from which on
-/// the directory is listed once instead of probing each id with a `stat`.
-const LIST_MIN_MISSES: usize = 64;
-
 impl Shared {
-    /// [`Shared::present`] of many ids. Index misses are grouped by block
-    /// directory; a directory with many of them is listed once, so a lookup
-    /// of a million absent ids costs 256 directory reads, not a million
-    /// `stat`s, while a block another process published is still found
-    /// (the listing is taken now, not cached).
-    fn present_all(&self, ids: &[BlockId]) -> Vec<bool> {
-        let mut out = vec![false; ids.len()];
-        self.index.touch_all(ids, &mut out);
-        let mut misses: std::collections::HashMap<PathBuf, Vec<usize>> = Default::default();
-        for (i, id) in ids.iter().enumerate() {
-            if !out[i] {
-                misses.entry(self.paths.dir(id)).or_default().push(i);
-            }
-        }
-        for (dir, idx) in misses {
-            if idx.len() < LIST_MIN_MISSES {
-                for i in idx {
-                    out[i] = self.present(&ids[i]);
-                }
-                continue;
-            }
-            let names: std::collections::HashSet<std::ffi::OsString> = std::fs::read_dir(&dir)
-                .map(|d| d.flatten().map(|e| e.file_name()).collect())
-                .unwrap_or_default();
-            for i in idx {
-                let id = &ids[i];
-                out[i] = if names.contains(std::ffi::OsStr::new(&id.hex())) {
-                    self.present(id)
-                } else {
-                    self.commit_settled(id) && self.index.touch(id)
-                };
-            }
-        }
-        out
-    }
-
-    fn present(&self, id: &BlockId) -> bool {
-        if self.index.touch(id) {
-            return true;
-        }
-        // Written by another process sharing the directory?
-        {
-            let _moves = self.file_moves.lock();
-            if let Some(mtime) = scan::probe(&self.paths.block(id), self.layout.file_len()) {
-                self.index.insert(*id, self.layout.file_len(), None, mtime);
-                return true;
-            }
-        }
-        // Fully written, being committed by another thread right now?
-        self.commit_settled(id) && self.index.touch(id)
-    }
-
     /// Counts a request in flight, first waiting while the store already
     /// has [`Shared::max_inflight`] of them: engines queue without bound, so
     /// this is what keeps bounce buffers and queued requests bounded when a
@@ -386,7 +370,8 @@ impl Store for PosixStore {
             return Err(UcmError::Closed);
         }
         // The index answers runs of present blocks under one lock; a block it
-        // lacks is probed on disk (another process may have written it).
+        // lacks is looked for as a lookup does (another process may have
+        // written it).
         let mut i = 0;
         loop {
             i += self.shared.index.touch_prefix(&ids[i..]);
@@ -400,11 +385,8 @@ impl Store for PosixStore {
     fn prefetch(&self, ids: &[BlockId]) -> Result<()> {
         let rt = self.runtime.lock();
         let rt = rt.as_ref().ok_or(UcmError::Closed)?;
-        let paths: Vec<_> = ids
-            .iter()
-            .filter(|id| self.present(id))
-            .map(|id| self.shared.paths.block(id))
-            .collect();
+        let present: Vec<BlockId> = ids.iter().filter(|id| self.present(id)).copied().collect();
+        let shared = self.shared.clone();
         // Ask the kernel to start reading the files into the page cache.
         // Files already there are skipped: WILLNEED walks every page of
         // the file in the page cache even when all are present, and that
@@ -413,8 +395,13 @@ impl Store for PosixStore {
         let opener = Opener::new(false, self.shared.cfg.strict);
         let len = self.shared.layout.file_len();
         rt.workers.spawn(move || {
-            for p in paths {
-                if let Ok(files::OpenFile { file: f, .. }) = opener.read(&p, len) {
+            for id in present {
+                let Ok(dir) = shared.tree.bucket(&id) else {
+                    continue;
+                };
+                if let Ok(files::OpenFile { file: f, .. }) =
+                    opener.read(&dir, &Tree::block_name(&id), len)
+                {
                     if files::page_cached(&f, 0) && files::page_cached(&f, len.saturating_sub(1)) {
                         continue;
                     }
@@ -473,9 +460,14 @@ impl Store for PosixStore {
 
     fn stats(&self) -> StoreStats {
         let s = self.counters();
+        let indexed = self.shared.indexed.load(Ordering::Acquire);
         [
             ("blocks", s.blocks),
             ("used_bytes", s.used_bytes),
+            // What the index takes in memory, and whether the pass after
+            // opening has read every block directory (0 or 1).
+            ("index_bytes", self.shared.index.memory_bytes() as u64),
+            ("indexed", u64::from(indexed)),
             ("shards_loaded", s.shards_loaded),
             ("shards_dumped", s.shards_dumped),
             ("blocks_committed", s.blocks_committed),
@@ -499,7 +491,7 @@ impl Store for PosixStore {
             ("io_engine", self.engine_name().to_string()),
             ("storage_backends", dirs.join(":")),
             ("durability", format!("{:?}", cfg.durability).to_lowercase()),
-            ("work_token", self.shared.paths.token().to_string()),
+            ("work_token", self.shared.tree.token().to_string()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -525,6 +517,10 @@ impl Store for PosixStore {
                 self.shared.inflight_cv.wait(&mut n);
             }
         }
+        self.shared.stopping.store(true, Ordering::Release);
+        for h in [rt.indexer.take(), rt.watcher.take()].into_iter().flatten() {
+            let _ = h.join();
+        }
         // Every commit was queued before its request counted as done.
         for _ in &rt.committers {
             let _ = self.shared.commits.send(None);
@@ -542,7 +538,7 @@ impl Store for PosixStore {
         }
         self.shared.abandon_writers();
         // The spares stay for the next instance, which adopts them.
-        if let Some(work) = self.shared.work.lock().take() {
+        if let Some(work) = &self.shared.work {
             work.close();
         }
         drop(rt.engine);
@@ -552,7 +548,7 @@ impl Store for PosixStore {
 
 impl StoreDebug for PosixStore {
     fn block_path(&self, id: &BlockId) -> Option<std::path::PathBuf> {
-        Some(self.shared.paths.block(id))
+        Some(self.shared.tree.block_path(id))
     }
 }
 

@@ -3,17 +3,19 @@
 //! reclaimed), rebuilding the index from disk, choosing the I/O engine and
 //! starting the threads.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::files::{self, DirectAlign, Opener, Paths};
+use super::files::{self, DirectAlign, Opener};
 use super::index::Index;
 use super::spare::SparePool;
-use super::{evict, scan, trust, work};
+use super::tree::Tree;
+use super::usage::Usage;
+use super::work::WorkDirs;
+use super::{evict, marker, trust, work};
 use super::{CommitJob, Counters, Durability, PosixConfig, PosixStore, Runtime, Shared};
 use crate::error::{Result, UcmError};
 use crate::io::{build_engine, AlignedBuf, InlineEngine, IoEngine, IoEngineConfig, IoEngineKind};
@@ -22,9 +24,10 @@ use crate::task::{TaskRegistry, WorkerPool};
 
 /// A store's directories, ready for it.
 struct Dirs {
-    paths: Paths,
+    tree: Tree,
     /// This instance's locked work directories (None: lookup-only).
-    work: Option<work::WorkDirs>,
+    work: Option<Arc<WorkDirs>>,
+    usage: Arc<Usage>,
     spares: SparePool,
     /// Files of stopped instances removed.
     reclaimed: usize,
@@ -42,20 +45,19 @@ impl PosixStore {
         let file_len = layout.file_len();
         let dirs = Dirs::prepare(&cfg, file_len)?;
         let align = direct_align(&cfg);
-        let index = Arc::new(Index::default());
-        let report = scan::scan(&dirs.paths, &index, file_len, cfg.transfers_enabled());
+        let index = Arc::new(Index::new(file_len));
         log::info!(
-            "posix store over {:?}: {} block(s), {} byte(s) found; {}",
+            "posix store over {:?}: {}; indexing in the background",
             cfg.storage_backends,
-            report.blocks,
-            report.bytes,
-            leftovers(
-                dirs.reclaimed + report.removed_temps,
-                report.removed_foreign,
-                dirs.adopted
-            )
+            leftovers(dirs.reclaimed, dirs.adopted)
         );
-        let engine = build_engine(&engine_config(&cfg))?;
+        // A store that only looks up moves no bytes: no I/O engine, no
+        // buffers.
+        let engine = if cfg.transfers_enabled() {
+            Some(build_engine(&engine_config(&cfg))?)
+        } else {
+            None
+        };
         let (commits, commit_rx) = crossbeam_channel::unbounded::<Option<CommitJob>>();
         let shared = Arc::new(Shared::new(cfg, layout, dirs, align, index, commits));
         let runtime = Runtime::start(&shared, engine, commit_rx)?;
@@ -70,35 +72,57 @@ impl PosixStore {
 }
 
 impl Dirs {
-    /// Creates the block directories (when transfers are enabled), checks
-    /// that they can be trusted, locks this instance's work directories and
-    /// reclaims those of stopped instances, adopting their spare files.
+    /// Opens the roots, creates the block directories (when transfers are
+    /// enabled) and marks them as a store's, checks that they can be
+    /// trusted, locks this instance's work directories and reclaims those
+    /// of stopped instances, adopting their spare files.
     fn prepare(cfg: &PosixConfig, file_len: u64) -> Result<Self> {
-        let paths = Paths::new(cfg.storage_backends.clone());
         let writes = cfg.transfers_enabled();
+        let tree = Tree::open(
+            &cfg.storage_backends,
+            writes,
+            cfg.durability == Durability::Full,
+        )?;
         if writes {
-            paths.create_dirs()?;
+            tree.create_dirs()?;
+            for i in 0..tree.root_count() {
+                marker::ensure(tree.root(i))?;
+            }
         }
         trust::check_dirs(&cfg.storage_backends, cfg.strict)?;
-        let work = if writes {
-            Some(work::WorkDirs::create(&paths)?)
+        let (work, usage) = if writes {
+            (
+                Some(Arc::new(WorkDirs::create(&tree)?)),
+                Arc::new(Usage::open(&tree)?),
+            )
         } else {
-            None
+            (None, Arc::new(Usage::none(tree.root_count())))
         };
         let spare_target = if writes { cfg.spare_files } else { 0 };
-        let work_dirs: Vec<PathBuf> = (0..paths.roots().len())
-            .map(|i| paths.work_dir(i))
-            .collect();
-        let mut spares = SparePool::new(&work_dirs, spare_target, file_len);
+        let mut spares = SparePool::new(
+            work.clone(),
+            usage.clone(),
+            tree.root_count(),
+            spare_target,
+            file_len,
+        );
         if cfg.capacity_bytes > 0 {
             // Spares count against the capacity (see `evict`).
             let budget = evict::spare_budget(cfg.capacity_bytes, spare_target, file_len);
             spares = spares.with_max_bytes(budget);
         }
         let (mut reclaimed, mut adopted) = (0, 0);
-        if writes {
-            for (i, root) in paths.roots().iter().enumerate() {
-                let r = work::reclaim(root, &work_dirs[i], spares.capacity(), file_len);
+        if let Some(w) = &work {
+            for i in 0..tree.root_count() {
+                let own = w.dir(i);
+                let r = work::reclaim(
+                    tree.root(i),
+                    Some((&own, tree.token())),
+                    spares.capacity(),
+                    file_len,
+                );
+                drop(own);
+                usage.add_to(i, super::usage::Part::Work, -(r.removed_bytes as i64));
                 let offered = r.spares.len();
                 let kept = spares.adopt(i, r.spares);
                 reclaimed += r.removed + (offered - kept);
@@ -106,8 +130,9 @@ impl Dirs {
             }
         }
         Ok(Dirs {
-            paths,
+            tree,
             work,
+            usage,
             spares,
             reclaimed,
             adopted,
@@ -117,10 +142,8 @@ impl Dirs {
 
 /// The start-up line's account of what stopped instances left: files
 /// removed and, when there were any, spare files adopted.
-fn leftovers(removed: usize, foreign: usize, adopted: usize) -> String {
-    let mut s = format!(
-        "{removed} file(s) of stopped stores and {foreign} non-block file(s) at block names removed"
-    );
+fn leftovers(removed: usize, adopted: usize) -> String {
+    let mut s = format!("{removed} file(s) of stopped stores removed");
     if adopted > 0 {
         s.push_str(&format!("; adopted {adopted} spare file(s)"));
     }
@@ -172,10 +195,12 @@ impl Shared {
         index: Arc<Index>,
         commits: crossbeam_channel::Sender<Option<CommitJob>>,
     ) -> Self {
+        let listing = super::listing::Listing::new(&dirs.tree);
+        let file_moves = super::moves::FileMoves::new(dirs.tree.root_count());
         Shared {
             opener: Opener::new(cfg.io_direct, cfg.strict),
             layout,
-            paths: dirs.paths,
+            tree: dirs.tree,
             align,
             index,
             writers: Mutex::new(Default::default()),
@@ -190,9 +215,13 @@ impl Shared {
             evict_signal: (Mutex::new(evict::Signal::default()), Condvar::new()),
             spares: dirs.spares,
             refill_lock: Mutex::new(()),
-            file_moves: Mutex::new(()),
+            file_moves,
             commits,
-            work: Mutex::new(dirs.work),
+            listing,
+            work: dirs.work,
+            usage: dirs.usage,
+            indexed: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             cfg,
         }
     }
@@ -203,7 +232,7 @@ impl Runtime {
     /// filler around `engine`.
     fn start(
         shared: &Arc<Shared>,
-        engine: Arc<dyn IoEngine>,
+        engine: Option<Arc<dyn IoEngine>>,
         commit_rx: crossbeam_channel::Receiver<Option<CommitJob>>,
     ) -> Result<Self> {
         let committers = start_committers(shared, &commit_rx)?;
@@ -220,9 +249,13 @@ impl Runtime {
         } else {
             None
         };
+        let indexer = Some(super::indexer::spawn(shared.clone())?);
+        let watcher = Some(super::indexer::spawn_watcher(shared.clone())?);
         Ok(Runtime {
             engine,
             workers,
+            indexer,
+            watcher,
             evictor: Some(evictor),
             spare_filler,
             committers,
@@ -264,10 +297,7 @@ mod tests {
 
     #[test]
     fn the_start_up_line_names_adopted_spares_only_when_there_are_some() {
-        assert_eq!(
-            leftovers(2, 1, 0),
-            "2 file(s) of stopped stores and 1 non-block file(s) at block names removed"
-        );
-        assert!(leftovers(0, 0, 3).ends_with("removed; adopted 3 spare file(s)"));
+        assert_eq!(leftovers(2, 0), "2 file(s) of stopped stores removed");
+        assert!(leftovers(0, 3).ends_with("removed; adopted 3 spare file(s)"));
     }
 }

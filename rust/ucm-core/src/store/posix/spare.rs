@@ -44,13 +44,15 @@
 //! capacity.
 
 use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::work::SPARE_PREFIX;
+use super::files::{Dir, Opener};
+use super::usage::{Part, Usage};
+use super::work::{WorkDirs, SPARE_PREFIX};
 
 /// Free bytes a file system must keep for spares to be preallocated.
 pub const PREALLOC_MIN_FREE: u64 = 2 << 30;
@@ -58,14 +60,19 @@ pub const PREALLOC_MIN_FREE: u64 = 2 << 30;
 /// Most bytes of preallocated spares per root; spares beyond it stay empty.
 pub const PREALLOC_POOL_MAX: u64 = 256 << 20;
 
+/// One root's spares: each by its name in the instance's work directory,
+/// with its length when it joined the pool.
+#[derive(Default)]
 struct Root {
-    dir: PathBuf,
-    /// Each spare with its length when it joined the pool.
-    files: Mutex<VecDeque<(PathBuf, u64)>>,
+    files: Mutex<VecDeque<(String, u64)>>,
 }
 
 /// Spare temporary files per storage root.
 pub struct SparePool {
+    /// The instance's work directories (None: a pool that never holds
+    /// files, as in a lookup-only store).
+    work: Option<Arc<WorkDirs>>,
+    usage: Arc<Usage>,
     roots: Vec<Root>,
     target: usize,
     prealloc_len: u64,
@@ -79,20 +86,22 @@ pub struct SparePool {
 }
 
 impl SparePool {
-    /// A pool keeping `target` spares in each of `dirs` (the instance's
-    /// work directory of each root; `target == 0` disables it),
-    /// preallocated to `prealloc_len` bytes where there is room (0: always
-    /// empty).
-    pub fn new(dirs: &[PathBuf], target: usize, prealloc_len: u64) -> Self {
+    /// A pool keeping `target` spares in each of the instance's work
+    /// directories (`target == 0`, or no `work`, disables it), preallocated
+    /// to `prealloc_len` bytes where there is room (0: always empty); every
+    /// byte it adds to or removes from a root is counted in `usage`.
+    pub fn new(
+        work: Option<Arc<WorkDirs>>,
+        usage: Arc<Usage>,
+        roots: usize,
+        target: usize,
+        prealloc_len: u64,
+    ) -> Self {
         SparePool {
-            roots: dirs
-                .iter()
-                .map(|d| Root {
-                    dir: d.clone(),
-                    files: Mutex::new(VecDeque::new()),
-                })
-                .collect(),
-            target,
+            target: if work.is_some() { target } else { 0 },
+            work,
+            usage,
+            roots: (0..roots).map(|_| Root::default()).collect(),
             prealloc_len,
             max_bytes: u64::MAX,
             bytes: AtomicU64::new(0),
@@ -136,21 +145,34 @@ impl SparePool {
         self.target > 0
     }
 
+    /// Removes spare `name` of root `root` from the disk, and its bytes
+    /// from the root's usage.
+    fn delete(&self, root: usize, name: &str) {
+        if let Some(work) = &self.work {
+            let dir = work.dir(root);
+            let _changing = self.usage.changing(root, &[Part::Work]);
+            if let Ok(st) = dir.lstat(name) {
+                if dir.remove_file(name).is_ok() && st.is_file() {
+                    self.usage.add_to(root, Part::Work, -(st.len as i64));
+                }
+            }
+        }
+    }
+
     /// Adds spare files adopted from a dead instance (see
-    /// [`super::work::reclaim`]) to root `root`'s pool; those beyond the
-    /// byte budget are removed. Returns how many were kept.
-    pub fn adopt(&self, root: usize, files: Vec<PathBuf>) -> usize {
+    /// [`super::work::reclaim`], which moved them into this instance's
+    /// work directory) to root `root`'s pool; those beyond the byte budget
+    /// are removed. Returns how many were kept.
+    pub fn adopt(&self, root: usize, names: Vec<String>) -> usize {
         let mut kept = 0;
-        for f in files {
-            let len = file_len(&f);
+        for name in names {
+            let len = self.len_of(root, &name);
             match self.roots.get(root) {
                 Some(r) if self.charge(len) => {
-                    r.files.lock().push_back((f, len));
+                    r.files.lock().push_back((name, len));
                     kept += 1;
                 }
-                _ => {
-                    let _ = std::fs::remove_file(f);
-                }
+                _ => self.delete(root, &name),
             }
         }
         kept
@@ -161,17 +183,29 @@ impl SparePool {
         self.recycle_cap()
     }
 
-    /// Takes a spare file under root `root` (its index), if one is ready.
-    pub fn take(&self, root: usize) -> Option<PathBuf> {
+    /// Takes a spare file under root `root` (its index), if one is ready,
+    /// renamed `temp` in the instance's work directory there: from then on
+    /// it is a temporary, which the root's usage does not count (a block
+    /// counts once published). Returns its length.
+    pub fn take_as(&self, root: usize, temp: &str) -> Option<u64> {
         let r = self.roots.get(root)?;
-        let (path, len) = r.files.lock().pop_front()?;
-        self.release(len);
-        let (lock, cv) = &self.wake;
-        *lock.lock() = true;
-        cv.notify_one();
-        Some(path)
+        let work = self.work.as_ref()?;
+        loop {
+            let (name, len) = r.files.lock().pop_front()?;
+            self.release(len);
+            let (lock, cv) = &self.wake;
+            *lock.lock() = true;
+            cv.notify_one();
+            let dir = work.dir(root);
+            let _changing = self.usage.changing(root, &[Part::Work]);
+            self.usage.add_to(root, Part::Work, -(len as i64));
+            if dir.rename(&name, &dir, temp).is_ok() {
+                return Some(len);
+            }
+            // Gone from under its name: the next one, if any.
+            dir.remove_entry(&name);
+        }
     }
-
     /// Most spares a root may hold through recycling: the filler's target,
     /// or as many full block files as fit the preallocation byte budget,
     /// up to four times the target.
@@ -206,44 +240,58 @@ impl SparePool {
         self.release(len);
     }
 
-    /// Renames an evicted block file, reserved with [`SparePool::reserve`]
-    /// at `len` bytes, into root `root`'s spare directory and returns true;
-    /// or returns false (the caller deletes it) when the rename fails.
-    pub fn recycle(&self, root: usize, file: &Path, len: u64) -> bool {
+    /// A fresh name for a file entering root `root`'s work directory.
+    pub fn fresh_name(&self, tag: &str) -> String {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        format!("{SPARE_PREFIX}{tag}{seq}")
+    }
+
+    /// Takes the file `name`, already moved into root `root`'s work
+    /// directory and reserved with [`SparePool::reserve`] at `len` bytes,
+    /// into the pool; when the pool filled up meanwhile, the file is
+    /// deleted instead. The root's usage is unchanged by the move itself.
+    pub fn recycled(&self, root: usize, name: String, len: u64) {
         let Some(r) = self.roots.get(root) else {
             self.release(len);
-            return false;
+            self.delete(root, &name);
+            return;
         };
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let spare = r.dir.join(format!("{SPARE_PREFIX}r{seq}"));
-        if std::fs::rename(file, &spare).is_err() {
-            self.release(len);
-            return false;
-        }
         let mut files = r.files.lock();
         if files.len() >= self.recycle_cap() {
             drop(files);
             self.release(len);
-            let _ = std::fs::remove_file(&spare);
+            self.delete(root, &name);
         } else {
             // Recycled files are whole block files: hand them out first.
-            files.push_front((spare, len));
+            files.push_front((name, len));
         }
-        true
     }
 
-    /// Returns a spare taken with [`SparePool::take`] but not used (the
-    /// block it was for turned out to be written by someone else).
-    pub fn put_back(&self, root: usize, file: PathBuf) {
-        let len = file_len(&file);
+    /// Returns a spare taken with [`SparePool::take_as`] but not used (the
+    /// block it was for turned out to be written by someone else): `temp`
+    /// is renamed a spare again and counted again, or deleted when the pool
+    /// has no room for it.
+    pub fn put_back(&self, root: usize, temp: &str) {
+        let Some(work) = self.work.as_ref() else {
+            return;
+        };
+        let dir = work.dir(root);
+        let len = dir.lstat(temp).map_or(0, |st| st.len);
         match self.roots.get(root) {
-            Some(r) if self.charge(len) => r.files.lock().push_front((file, len)),
-            _ => {
-                let _ = std::fs::remove_file(file);
+            Some(r) if self.charge(len) => {
+                let name = self.fresh_name("b");
+                let _changing = self.usage.changing(root, &[Part::Work]);
+                if dir.rename(temp, &dir, &name).is_ok() {
+                    self.usage.add_to(root, Part::Work, len as i64);
+                    r.files.lock().push_front((name, len));
+                } else {
+                    self.release(len);
+                    dir.remove_entry(temp);
+                }
             }
+            _ => dir.remove_entry(temp),
         }
     }
-
     /// Number of spares ready (all roots).
     #[cfg(test)]
     pub fn ready(&self) -> usize {
@@ -272,10 +320,10 @@ impl SparePool {
         }
         while !self.stop.load(Ordering::Acquire) {
             let mut made = false;
-            for r in &self.roots {
+            for (i, r) in self.roots.iter().enumerate() {
                 let ready = r.files.lock().len();
                 if ready < self.target && may_create() {
-                    if let Some(spare) = self.create(&r.dir, ready) {
+                    if let Some(spare) = self.create(i, ready) {
                         r.files.lock().push_back(spare);
                         made = true;
                     }
@@ -293,30 +341,31 @@ impl SparePool {
         }
     }
 
-    /// Creates one spare (its path and length); `ready` spares are already
-    /// waiting in `dir`.
-    fn create(&self, dir: &Path, ready: usize) -> Option<(PathBuf, u64)> {
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("{SPARE_PREFIX}{seq}"));
-        let file = super::files::Opener::new(false, false)
-            .create(&path)
-            .ok()?
-            .file;
+    /// Creates one spare in root `root` (its name and length); `ready`
+    /// spares are already waiting there.
+    fn create(&self, root: usize, ready: usize) -> Option<(String, u64)> {
+        let work = self.work.as_ref()?;
+        let dir = work.dir(root);
+        let name = self.fresh_name("");
+        let file = Opener::new(false, false).create(&dir, &name).ok()?.file;
         let within_budget = (ready as u64).saturating_mul(self.prealloc_len) < PREALLOC_POOL_MAX;
         if self.prealloc_len > 0
             && within_budget
-            && self.room_for_prealloc(dir)
+            && self.room_for_prealloc(&dir)
             && self.charge(self.prealloc_len)
         {
+            let _changing = self.usage.changing(root, &[Part::Work]);
             if preallocate(&file, self.prealloc_len) {
-                return Some((path, self.prealloc_len));
+                self.usage
+                    .add_to(root, Part::Work, self.prealloc_len as i64);
+                return Some((name, self.prealloc_len));
             }
             self.release(self.prealloc_len);
         }
-        Some((path, 0))
+        Some((name, 0))
     }
 
-    fn room_for_prealloc(&self, dir: &Path) -> bool {
+    fn room_for_prealloc(&self, dir: &Dir) -> bool {
         let Some((free, total)) = free_and_total(dir) else {
             return false;
         };
@@ -336,61 +385,63 @@ impl SparePool {
     /// Removes the spares not taken (a store that must leave nothing).
     #[cfg(test)]
     pub fn discard(&self) {
-        for r in &self.roots {
-            for (p, len) in r.files.lock().drain(..) {
+        for (i, r) in self.roots.iter().enumerate() {
+            let names: Vec<_> = r.files.lock().drain(..).collect();
+            for (name, len) in names {
                 self.release(len);
-                let _ = std::fs::remove_file(p);
+                self.delete(i, &name);
             }
         }
+    }
+
+    /// A spare's length (0 if it can't be read: it is checked when taken).
+    fn len_of(&self, root: usize, name: &str) -> u64 {
+        self.work
+            .as_ref()
+            .and_then(|w| w.dir(root).lstat(name).ok())
+            .map_or(0, |st| st.len)
     }
 }
 
 /// Free and total bytes of the file system holding `dir`.
-fn free_and_total(dir: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable,
-    // properly sized statvfs the call fills in.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    let frsize = st.f_frsize as u64;
+fn free_and_total(dir: &Dir) -> Option<(u64, u64)> {
+    let st = rustix::fs::fstatvfs(dir).ok()?;
+    let frsize = st.f_frsize;
     Some((
-        (st.f_bavail as u64).saturating_mul(frsize),
-        (st.f_blocks as u64).saturating_mul(frsize),
+        st.f_bavail.saturating_mul(frsize),
+        st.f_blocks.saturating_mul(frsize),
     ))
 }
 
 /// Best effort: a file system without `fallocate` keeps the spare empty
 /// (false).
 fn preallocate(file: &std::fs::File, len: u64) -> bool {
-    use std::os::fd::AsRawFd;
-    let Ok(len) = libc::off_t::try_from(len) else {
-        return false;
-    };
-    // SAFETY: plain syscall on a descriptor owned by `file`.
-    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
-    if r != 0 {
+    let ok = rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len).is_ok();
+    if !ok {
         let _ = file.set_len(0);
     }
-    r == 0
-}
-
-/// A spare's length (0 if it can't be read: it is checked when taken).
-fn file_len(path: &Path) -> u64 {
-    std::fs::symlink_metadata(path).map_or(0, |m| m.len())
+    ok
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
+    use crate::store::posix::tree::Tree;
+
+    /// A pool over a new store tree, its work directories and usage.
+    fn pool(target: usize, len: u64) -> (tempfile::TempDir, Arc<WorkDirs>, Arc<Usage>, SparePool) {
+        let d = tempfile::tempdir().unwrap();
+        let tree = Tree::open(&[d.path().to_path_buf()], true, false).unwrap();
+        let work = Arc::new(WorkDirs::create(&tree).unwrap());
+        let usage = Arc::new(Usage::open(&tree).unwrap());
+        let pool = SparePool::new(Some(work.clone()), usage.clone(), 1, target, len);
+        (d, work, usage, pool)
+    }
 
     #[test]
     fn fills_hands_out_and_discards() {
-        let d = tempfile::tempdir().unwrap();
-        let pool = Arc::new(SparePool::new(&[d.path().to_path_buf()], 3, 0));
+        let (_d, work, _usage, pool) = pool(3, 0);
+        let pool = Arc::new(pool);
         let filler = {
             let p = pool.clone();
             std::thread::spawn(move || p.run(|| true))
@@ -400,64 +451,78 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(pool.ready(), 3);
-        let f = pool.take(0).unwrap();
-        assert!(f.starts_with(d.path()));
-        assert_eq!(std::fs::metadata(&f).unwrap().len(), 0);
-        assert!(pool.take(1).is_none());
+        let len = pool.take_as(0, "t").unwrap();
+        assert_eq!((work.dir(0).lstat("t").unwrap().len, len), (0, 0));
+        assert!(pool.take_as(1, "u").is_none());
+        pool.put_back(0, "t");
+        assert_eq!(pool.ready(), 3);
+        pool.take_as(0, "t").unwrap();
         pool.stop();
         filler.join().unwrap();
         pool.discard();
-        let left: Vec<_> = std::fs::read_dir(d.path()).unwrap().collect();
-        assert_eq!(left.len(), 1); // only the one we took
+        let left: Vec<_> = work
+            .dir(0)
+            .entries()
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.name.to_string_lossy().starts_with(SPARE_PREFIX))
+            .collect();
+        assert_eq!(left.len(), 0, "only the one taken stays, as a temporary");
+        assert!(work.dir(0).lstat("t").is_ok());
     }
 
     #[test]
     fn recycles_block_files_up_to_the_cap() {
-        let d = tempfile::tempdir().unwrap();
         let len = 64 << 20;
-        let spares = d.path().join("spares");
-        std::fs::create_dir(&spares).unwrap();
-        let pool = SparePool::new(std::slice::from_ref(&spares), 2, len);
+        let (_d, work, usage, pool) = pool(2, len);
         // 256 MiB budget / 64 MiB files = 4 = cap (between 2 and 8).
         assert_eq!(pool.recycle_cap(), 4);
-        let mut taken = Vec::new();
-        for i in 0..5 {
-            let f = d.path().join(format!("block{i}"));
-            std::fs::write(&f, [i as u8; 100]).unwrap();
-            let kept = pool.reserve(0, 100) && pool.recycle(0, &f, 100);
+        let dir = work.dir(0);
+        for i in 0..5u8 {
+            dir.create_file(format!("block{i}"), 0o600, rustix::fs::OFlags::empty())
+                .unwrap();
+            std::fs::write(dir.join(format!("block{i}")), [i; 100]).unwrap();
+            usage.add_to(0, Part::Bucket(0), 100);
+            let kept = pool.reserve(0, 100);
             assert_eq!(kept, i < 4, "file {i}");
-            assert_eq!(f.exists(), !kept, "file {i}");
+            if kept {
+                let name = pool.fresh_name("r");
+                dir.rename(format!("block{i}"), &dir, &name).unwrap();
+                pool.recycled(0, name, 100);
+            }
         }
         assert_eq!(pool.ready(), 4);
-        while let Some(p) = pool.take(0) {
-            assert!(p.starts_with(&spares));
-            taken.push(std::fs::read(&p).unwrap()[0]);
+        assert_eq!(usage.bytes(), 500, "moving files counts nothing");
+        let mut taken = Vec::new();
+        while pool.take_as(0, "t").is_some() {
+            taken.push(std::fs::read(dir.join("t")).unwrap()[0]);
+            std::fs::remove_file(dir.join("t")).unwrap();
         }
         // The last recycled is handed out first; contents are the old ones.
         assert_eq!(taken, vec![3, 2, 1, 0]);
         assert_eq!(pool.bytes(), 0, "taken spares leave the budget");
+        assert_eq!(usage.bytes(), 100, "and the count: a temporary is not");
         assert!(!pool.reserve(1, 100), "no such root");
         assert!(pool.reserve(0, 100));
         pool.unreserve(100);
         assert_eq!(pool.bytes(), 0);
-        let off = SparePool::new(std::slice::from_ref(&spares), 0, len);
+        let off = SparePool::new(Some(work.clone()), usage.clone(), 1, 0, len);
         assert!(!off.reserve(0, 100), "pool disabled");
     }
 
     #[test]
     fn preallocates_within_budget_when_there_is_room() {
-        let d = tempfile::tempdir().unwrap();
         let len = 1 << 20;
-        let pool = SparePool::new(&[d.path().to_path_buf()], 4, len);
-        let dir = d.path().to_path_buf();
-        let room = pool.room_for_prealloc(&dir);
-        let (first, first_len) = pool.create(&dir, 0).unwrap();
+        let (_d, work, usage, pool) = pool(4, len);
+        let room = pool.room_for_prealloc(&work.dir(0));
+        let (first, first_len) = pool.create(0, 0).unwrap();
         let expect = if room { len } else { 0 };
-        assert_eq!(std::fs::metadata(&first).unwrap().len(), expect);
+        assert_eq!(work.dir(0).lstat(&first).unwrap().len, expect);
         assert_eq!((first_len, pool.bytes()), (expect, expect));
+        assert_eq!(usage.bytes(), expect, "the root's usage counts it");
         // Past the byte budget, spares stay empty whatever the room.
         let over = (PREALLOC_POOL_MAX / len) as usize;
-        let (late, _) = pool.create(&dir, over).unwrap();
-        assert_eq!(std::fs::metadata(&late).unwrap().len(), 0);
+        let (late, _) = pool.create(0, over).unwrap();
+        assert_eq!(work.dir(0).lstat(&late).unwrap().len, 0);
     }
 }

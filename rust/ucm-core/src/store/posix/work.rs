@@ -15,13 +15,19 @@
 //! lock file's mtime (every [`HEARTBEAT`]) for [`NFS_STALE_AFTER`].
 //!
 //! A directory is created under a hidden name, locked, then renamed into
-//! place, so nobody ever sees a live instance's directory unlocked.
+//! place, so nobody ever sees a live instance's directory unlocked. Every
+//! directory here is opened without following links: `.work` replaced by
+//! a link is removed as the link and made again, and an instance keeps its
+//! own directory open, so a link put at its name later leads nowhere.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use super::files::{make_private_dir, remove_entry, try_lock, Opener, Paths, LOCK_FILE, WORK_DIR};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use rustix::fs::OFlags;
+
+use super::files::{try_lock, Dir, Opener, LOCK_FILE, WORK_DIR};
+use super::tree::Tree;
 use crate::error::{Result, UcmError};
 
 /// How often a live instance refreshes its lock file's mtime.
@@ -33,133 +39,261 @@ pub const NFS_STALE_AFTER: Duration = Duration::from_secs(120);
 /// left by a creator that died.
 const CREATING_MAX_AGE: Duration = Duration::from_secs(3600);
 /// Marker a cleanly closed instance leaves in its directory.
-const CLOSED_FILE: &str = "closed";
+pub const CLOSED_FILE: &str = "closed";
 /// Prefix of spare files inside a work directory.
 pub const SPARE_PREFIX: &str = "spare.";
 
+/// One root's work directory of this instance.
+struct Own {
+    dir: RwLock<Dir>,
+    lock: Mutex<Option<File>>,
+    nfs: bool,
+}
+
 /// The work directories of one live instance, one per root, locked.
 pub struct WorkDirs {
-    dirs: Vec<PathBuf>,
-    locks: Vec<File>,
-    nfs: Vec<bool>,
+    token: String,
+    roots: Vec<Own>,
+    /// Each root, open, to make the directory again if it is removed.
+    tree_roots: Vec<Dir>,
+}
+
+/// `<root>/.work`, open. A link there is removed (the link itself) and the
+/// directory made again when `repair`; missing, it is made when `repair`.
+pub fn work_parent(root: &Dir, repair: bool) -> Result<Dir> {
+    match root.sub(WORK_DIR) {
+        Ok(d) => return Ok(d),
+        Err(e) if !repair => return Err(UcmError::os("open", root.join(WORK_DIR), e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            let is_link = root
+                .lstat(WORK_DIR)
+                .is_ok_and(|s| s.kind == rustix::fs::FileType::Symlink);
+            if !is_link {
+                return Err(UcmError::os("open", root.join(WORK_DIR), e));
+            }
+            log::warn!(
+                "{} is a symbolic link, not the store's work directory: removed the link \
+                 (not what it points to) and made the directory again",
+                root.join(WORK_DIR).display()
+            );
+            let _ = root.remove_file(WORK_DIR);
+        }
+    }
+    root.mkdir(WORK_DIR, 0o700)
+        .map_err(|e| UcmError::os("mkdir", root.join(WORK_DIR), e))?;
+    root.sub(WORK_DIR)
+        .map_err(|e| UcmError::os("open", root.join(WORK_DIR), e))
+}
+
+/// Makes and locks this instance's directory `token` under `root`'s
+/// `.work`: made under a hidden name, locked, then renamed into place.
+fn make_own(root: &Dir, token: &str) -> Result<(Dir, File)> {
+    let parent = work_parent(root, true)?;
+    let hidden = format!(".{token}.new");
+    let made = parent
+        .mkdir(&hidden, 0o700)
+        .map_err(|e| UcmError::os("mkdir", parent.join(&hidden), e))?;
+    if !made {
+        return Err(UcmError::os(
+            "mkdir",
+            parent.join(&hidden),
+            std::io::Error::from_raw_os_error(libc::EEXIST),
+        ));
+    }
+    let dir = parent
+        .sub(&hidden)
+        .map_err(|e| UcmError::os("open", parent.join(&hidden), e))?;
+    // Created, then held open read-only: a file open for writing would
+    // keep the file system from being remounted read-only.
+    drop(
+        dir.create_file(LOCK_FILE, 0o600, OFlags::empty())
+            .map_err(|e| UcmError::os("create", dir.join(LOCK_FILE), e))?,
+    );
+    let lock = dir
+        .open_file(LOCK_FILE, OFlags::RDONLY)
+        .map_err(|e| UcmError::os("open", dir.join(LOCK_FILE), e))?;
+    if !try_lock(&lock) {
+        return Err(UcmError::os(
+            "flock",
+            dir.join(LOCK_FILE),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    parent
+        .rename(&hidden, &parent, token)
+        .map_err(|e| UcmError::os("rename", parent.join(&hidden), e))?;
+    let dir = parent
+        .sub(token)
+        .map_err(|e| UcmError::os("open", parent.join(token), e))?;
+    Ok((dir, lock))
 }
 
 impl WorkDirs {
     /// Creates and locks this instance's directory under every root.
-    pub fn create(paths: &Paths) -> Result<Self> {
-        let mut dirs = Vec::new();
-        let mut locks = Vec::new();
-        let mut nfs = Vec::new();
-        for (i, root) in paths.roots().iter().enumerate() {
-            let parent = root.join(WORK_DIR);
-            make_private_dir(&parent)?;
-            let hidden = parent.join(format!(".{}.new", paths.token()));
-            std::fs::create_dir(&hidden).map_err(|e| UcmError::os("mkdir", &hidden, e))?;
-            // Created, then held open read-only: a file open for writing
-            // would keep the file system from being remounted read-only.
-            let lock_path = hidden.join(LOCK_FILE);
-            drop(Opener::new(false, false).create(&lock_path)?);
-            let lock = File::open(&lock_path).map_err(|e| UcmError::os("open", &lock_path, e))?;
-            if !try_lock(&lock) {
-                return Err(UcmError::os(
-                    "flock",
-                    hidden.join(LOCK_FILE),
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            let dir = paths.work_dir(i);
-            std::fs::rename(&hidden, &dir).map_err(|e| UcmError::os("rename", &hidden, e))?;
-            nfs.push(on_nfs(root));
-            dirs.push(dir);
-            locks.push(lock);
+    pub fn create(tree: &Tree) -> Result<Self> {
+        let mut roots = Vec::new();
+        let mut tree_roots = Vec::new();
+        for i in 0..tree.root_count() {
+            let root = tree
+                .root(i)
+                .try_clone()
+                .map_err(|e| UcmError::os("dup", tree.root(i).path(), e))?;
+            let (dir, lock) = make_own(&root, tree.token())?;
+            roots.push(Own {
+                dir: RwLock::new(dir),
+                lock: Mutex::new(Some(lock)),
+                nfs: on_nfs(&root),
+            });
+            tree_roots.push(root);
         }
-        Ok(WorkDirs { dirs, locks, nfs })
+        Ok(WorkDirs {
+            token: tree.token().to_string(),
+            roots,
+            tree_roots,
+        })
+    }
+
+    /// This instance's work directory under root `root`.
+    pub fn dir(&self, root: usize) -> RwLockReadGuard<'_, Dir> {
+        self.roots[root].dir.read()
+    }
+
+    /// Makes this instance's directory under root `root` again after it was
+    /// removed under the running store (its temporaries and spares went
+    /// with it); a no-op while it is still there.
+    pub fn remake(&self, root: usize) -> Result<()> {
+        let own = &self.roots[root];
+        let mut dir = own.dir.write();
+        if dir.stat().is_ok_and(|s| s.nlink > 0) {
+            return Ok(());
+        }
+        let (new_dir, lock) = make_own(&self.tree_roots[root], &self.token)?;
+        log::warn!(
+            "the store's work directory {} was removed while it ran; made it again",
+            new_dir.path().display()
+        );
+        *dir = new_dir;
+        *own.lock.lock() = Some(lock);
+        Ok(())
     }
 
     /// Refreshes the lock files' mtime where other hosts may need it (NFS).
     pub fn heartbeat(&self) {
-        for (lock, nfs) in self.locks.iter().zip(&self.nfs) {
-            if *nfs {
-                let _ = lock.set_modified(SystemTime::now());
+        for own in &self.roots {
+            if own.nfs {
+                if let Some(lock) = own.lock.lock().as_ref() {
+                    let _ = lock.set_modified(SystemTime::now());
+                }
             }
         }
     }
 
     /// Marks every directory closed (its spares are for the next instance
     /// to adopt) and releases the locks.
-    pub fn close(self) {
-        for dir in &self.dirs {
-            let _ = File::create(dir.join(CLOSED_FILE));
+    pub fn close(&self) {
+        for own in &self.roots {
+            let _ = own
+                .dir
+                .read()
+                .create_file(CLOSED_FILE, 0o600, OFlags::empty());
+            own.lock.lock().take();
         }
-        drop(self.locks);
     }
 }
 
 /// What [`reclaim`] did under one root.
 #[derive(Debug, Default)]
 pub struct Reclaimed {
-    /// Spare files of dead instances, now inside the caller's directory.
-    pub spares: Vec<PathBuf>,
+    /// Spare files of dead instances, now inside the caller's directory
+    /// (their names there).
+    pub spares: Vec<String>,
     /// Files of dead instances removed: temporaries and spares beyond the
     /// pool's room, not the lock files and `closed` markers every stopped
     /// instance leaves (those say nothing about what it left undone).
     pub removed: usize,
+    /// Bytes of the spare files removed (the roots' usage counted them;
+    /// a temporary counts only once published).
+    pub removed_bytes: u64,
 }
 
 /// Reclaims the work directories of dead instances under `root`: their
 /// spares (checked like any spare, at most `max_spares`, each at most
-/// `spare_len` bytes) move into `ours`, the rest is removed.
-pub fn reclaim(root: &Path, ours: &Path, max_spares: usize, spare_len: u64) -> Reclaimed {
+/// `spare_len` bytes) move into `ours` (this instance's directory, named
+/// `ours_name` in `.work`), the rest is removed. Nothing is followed: a
+/// link in `.work` is left alone, and `.work` itself must be a directory.
+pub fn reclaim(
+    root: &Dir,
+    ours: Option<(&Dir, &str)>,
+    max_spares: usize,
+    spare_len: u64,
+) -> Reclaimed {
     let mut out = Reclaimed::default();
-    let parent = root.join(WORK_DIR);
-    let Ok(entries) = std::fs::read_dir(&parent) else {
+    let Ok(parent) = root.sub(WORK_DIR) else {
+        return out;
+    };
+    let Ok(entries) = parent.entries() else {
         return out;
     };
     let nfs = on_nfs(root);
     let mut seq = 0u64;
-    for entry in entries.flatten() {
-        let dir = entry.path();
-        if dir == ours || !entry.file_type().is_ok_and(|t| t.is_dir()) {
+    for entry in entries {
+        let name = entry.name.to_string_lossy().to_string();
+        if ours.is_some_and(|(_, n)| n == name) {
             continue;
         }
-        let name = entry.file_name().to_string_lossy().to_string();
+        if parent.kind_of(&entry) != Some(rustix::fs::FileType::Directory) {
+            continue;
+        }
+        let Ok(dir) = parent.sub(&entry.name) else {
+            continue; // replaced meanwhile
+        };
         if name.starts_with('.') {
             // Being created; or left by a creator that died midway.
-            if older_than(&dir, CREATING_MAX_AGE) {
+            if older_than(&dir, ".", CREATING_MAX_AGE) {
                 out.removed += remove_dir_files(&dir);
+                let _ = parent.remove_dir(&entry.name);
             }
             continue;
         }
-        let Ok(lock) = File::open(dir.join(LOCK_FILE)) else {
+        let Ok(lock) = dir.open_file(LOCK_FILE, OFlags::RDONLY) else {
             continue; // not a work directory of ours
         };
-        if !try_lock(&lock) {
+        if !lock.metadata().is_ok_and(|m| m.file_type().is_file()) || !try_lock(&lock) {
             continue; // its owner is alive
         }
-        let closed = dir.join(CLOSED_FILE).exists();
-        if nfs && !closed && !older_than(&dir.join(LOCK_FILE), NFS_STALE_AFTER) {
+        let closed = dir.lstat(CLOSED_FILE).is_ok();
+        if nfs && !closed && !older_than(&dir, LOCK_FILE, NFS_STALE_AFTER) {
             continue; // a lock local to another host: trust the heartbeat
         }
         let opener = Opener::new(false, false);
-        for f in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let path = f.path();
-            let fname = f.file_name().to_string_lossy().to_string();
-            if fname.starts_with(SPARE_PREFIX) && out.spares.len() < max_spares {
-                // Checked as any spare before it is handed out; moved now so
-                // that the directory can go.
-                if opener.reuse(&path, spare_len).is_some() {
-                    let to = ours.join(format!("{SPARE_PREFIX}a{seq}"));
-                    seq += 1;
-                    if std::fs::rename(&path, &to).is_ok() {
-                        out.spares.push(to);
-                        continue;
+        for f in dir.entries().into_iter().flatten() {
+            let fname = f.name.to_string_lossy().to_string();
+            if let Some((ours, _)) = ours {
+                if fname.starts_with(SPARE_PREFIX) && out.spares.len() < max_spares {
+                    // Checked as any spare before it is handed out; moved now
+                    // so that the directory can go.
+                    if opener.reuse(&dir, &fname, spare_len).is_some() {
+                        let to = format!("{SPARE_PREFIX}a{seq}");
+                        seq += 1;
+                        if dir.rename_noreplace(&f.name, ours, &to).is_ok() {
+                            out.spares.push(to);
+                            continue;
+                        }
                     }
                 }
             }
-            remove_entry(&path);
+            if fname.starts_with(SPARE_PREFIX) {
+                if let Ok(st) = dir.lstat(&f.name) {
+                    if st.is_file() {
+                        out.removed_bytes += st.len;
+                    }
+                }
+            }
+            dir.remove_entry(&f.name);
             out.removed += usize::from(!is_marker(&fname));
         }
-        let _ = std::fs::remove_dir(&dir);
+        let _ = parent.remove_dir(&entry.name);
     }
     out
 }
@@ -170,67 +304,125 @@ fn is_marker(name: &str) -> bool {
     name == LOCK_FILE || name == CLOSED_FILE
 }
 
-fn remove_dir_files(dir: &Path) -> usize {
+fn remove_dir_files(dir: &Dir) -> usize {
     let mut n = 0;
-    for f in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        remove_entry(&f.path());
-        n += usize::from(!is_marker(&f.file_name().to_string_lossy()));
+    for f in dir.entries().into_iter().flatten() {
+        dir.remove_entry(&f.name);
+        n += usize::from(!is_marker(&f.name.to_string_lossy()));
     }
-    let _ = std::fs::remove_dir(dir);
     n
 }
 
-fn older_than(path: &Path, age: Duration) -> bool {
-    std::fs::symlink_metadata(path)
-        .and_then(|m| m.modified())
-        .ok()
-        .and_then(|t| t.elapsed().ok())
-        .is_some_and(|a| a >= age)
+/// True when `name` in `dir` was last modified at least `age` ago.
+fn older_than(dir: &Dir, name: &str, age: Duration) -> bool {
+    let Ok(st) = dir.lstat(name) else {
+        return false;
+    };
+    let now = super::scan::nanos(SystemTime::now());
+    now.saturating_sub(st.mtime_ns) >= age.as_nanos() as u64
 }
 
 /// True when `dir` is on NFS, where `flock` may not reach other hosts.
-fn on_nfs(dir: &Path) -> bool {
+fn on_nfs(dir: &Dir) -> bool {
     const NFS_SUPER_MAGIC: i64 = 0x6969;
-    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: statfs is plain old data; zeroed is a valid value, and `c`
-    // is a valid NUL-terminated path for the duration of the call.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    (unsafe { libc::statfs(c.as_ptr(), &mut st) }) == 0 && st.f_type as i64 == NFS_SUPER_MAGIC
+    // `f_type`'s type differs between architectures.
+    #[allow(clippy::unnecessary_cast)]
+    let nfs = |t: rustix::fs::StatFs| t.f_type as i64 == NFS_SUPER_MAGIC;
+    rustix::fs::fstatfs(dir).is_ok_and(nfs)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::posix::tree::Tree;
+
+    fn tree(d: &std::path::Path) -> Tree {
+        Tree::open(&[d.to_path_buf()], true, false).unwrap()
+    }
 
     #[test]
     fn live_instances_are_left_alone_and_dead_ones_reclaimed() {
         let d = tempfile::tempdir().unwrap();
-        let roots = vec![d.path().to_path_buf()];
-        let (a, b) = (Paths::new(roots.clone()), Paths::new(roots.clone()));
+        let (a, b) = (tree(d.path()), tree(d.path()));
         let wa = WorkDirs::create(&a).unwrap();
         let wb = WorkDirs::create(&b).unwrap();
-        std::fs::write(a.work_dir(0).join("spare.1"), [0u8; 10]).unwrap();
-        std::fs::write(a.work_dir(0).join("0011.1"), b"x").unwrap();
+        let a_dir = d.path().join(WORK_DIR).join(a.token());
+        std::fs::write(a_dir.join("spare.1"), [0u8; 10]).unwrap();
+        std::fs::write(a_dir.join("0011.1"), b"x").unwrap();
+        let root = a.root(0);
         // A is alive: B takes nothing.
-        let r = reclaim(d.path(), &b.work_dir(0), 8, 100);
+        let r = reclaim(root, Some((&wb.dir(0), b.token())), 8, 100);
         assert!(r.spares.is_empty() && r.removed == 0);
-        assert!(a.work_dir(0).join("spare.1").exists());
+        assert!(a_dir.join("spare.1").exists());
         wa.close();
-        let r = reclaim(d.path(), &b.work_dir(0), 8, 100);
+        let r = reclaim(root, Some((&wb.dir(0), b.token())), 8, 100);
         assert_eq!(r.spares.len(), 1);
-        assert!(r.spares[0].starts_with(b.work_dir(0)));
+        assert!(d
+            .path()
+            .join(WORK_DIR)
+            .join(b.token())
+            .join(&r.spares[0])
+            .exists());
         assert_eq!(
             r.removed, 1,
             "the temporary; not the lock or the closed marker"
         );
-        assert!(!a.work_dir(0).exists());
+        assert!(!a_dir.exists());
         drop(wb);
         // Killed (no closed marker, lock released by the kernel).
-        let c = Paths::new(roots);
-        let _wc = WorkDirs::create(&c).unwrap();
-        let r = reclaim(d.path(), &c.work_dir(0), 8, 100);
+        let c = tree(d.path());
+        let wc = WorkDirs::create(&c).unwrap();
+        let r = reclaim(c.root(0), Some((&wc.dir(0), c.token())), 8, 100);
         assert_eq!(r.spares.len(), 1, "B's adopted spare");
+    }
+
+    /// `.work` replaced by a link to a user's folder holding files named
+    /// like a dead instance's: nothing there is read, moved or deleted.
+    #[test]
+    fn a_linked_work_directory_is_never_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let victim = outside.path().join("folder");
+        std::fs::create_dir(&victim).unwrap();
+        for f in [LOCK_FILE, CLOSED_FILE, "spare.1", "notes.txt"] {
+            std::fs::write(victim.join(f), b"user data").unwrap();
+        }
+        std::os::unix::fs::symlink(outside.path(), d.path().join(WORK_DIR)).unwrap();
+        let t = tree(d.path());
+        let w = WorkDirs::create(&t).unwrap();
+        let r = reclaim(t.root(0), Some((&w.dir(0), t.token())), 8, 100);
+        assert!(r.spares.is_empty() && r.removed == 0);
+        for f in [LOCK_FILE, CLOSED_FILE, "spare.1", "notes.txt"] {
+            assert_eq!(std::fs::read(victim.join(f)).unwrap(), b"user data");
+        }
+        assert!(std::fs::symlink_metadata(d.path().join(WORK_DIR))
+            .unwrap()
+            .is_dir());
+        // The instance's own directory replaced by a link: it keeps
+        // writing where it was.
+        let own = d.path().join(WORK_DIR).join(t.token());
+        std::fs::rename(&own, d.path().join(WORK_DIR).join("moved")).unwrap();
+        std::os::unix::fs::symlink(&victim, &own).unwrap();
+        w.dir(0).create_file("t", 0o600, OFlags::empty()).unwrap();
+        assert!(!victim.join("t").exists());
+        assert!(d.path().join(WORK_DIR).join("moved").join("t").exists());
+    }
+
+    #[test]
+    fn a_removed_work_directory_is_made_again() {
+        let d = tempfile::tempdir().unwrap();
+        let t = tree(d.path());
+        let w = WorkDirs::create(&t).unwrap();
+        std::fs::remove_dir_all(d.path().join(WORK_DIR)).unwrap();
+        assert!(w.dir(0).create_file("t", 0o600, OFlags::empty()).is_err());
+        w.remake(0).unwrap();
+        w.dir(0).create_file("t", 0o600, OFlags::empty()).unwrap();
+        assert!(d.path().join(WORK_DIR).join(t.token()).join("t").exists());
+        assert!(d
+            .path()
+            .join(WORK_DIR)
+            .join(t.token())
+            .join(LOCK_FILE)
+            .exists());
     }
 }

@@ -36,12 +36,24 @@ struct State {
     settled: bool,
 }
 
+/// Where a block is assembled: a file in the store instance's work
+/// directory of one root.
+#[derive(Clone, Debug)]
+pub struct Temp {
+    /// The root (its index).
+    pub root: usize,
+    /// The file's name in the instance's work directory there.
+    pub name: String,
+    /// Its path, for messages.
+    pub path: PathBuf,
+}
+
 /// One block being assembled in a temporary file.
 pub struct BlockWriter {
     /// The block.
     pub block: BlockId,
     /// Its temporary file.
-    pub tmp: PathBuf,
+    pub tmp: Temp,
     /// The temporary file, open for writing until the writer is dropped.
     pub file: OpenFile,
     state: Mutex<State>,
@@ -72,7 +84,7 @@ pub struct Finished {
 
 impl BlockWriter {
     /// A writer for `shards` shards into `file`, open at `tmp`.
-    pub fn new(block: BlockId, tmp: PathBuf, file: OpenFile, shards: usize) -> Self {
+    pub fn new(block: BlockId, tmp: Temp, file: OpenFile, shards: usize) -> Self {
         BlockWriter {
             block,
             tmp,
@@ -212,7 +224,12 @@ mod tests {
             file: tempfile::tempfile().unwrap(),
             direct: false,
         };
-        BlockWriter::new(BlockId([1; 16]), PathBuf::from("/x"), file, shards)
+        let tmp = Temp {
+            root: 0,
+            name: "x".into(),
+            path: PathBuf::from("/x"),
+        };
+        BlockWriter::new(BlockId([1; 16]), tmp, file, shards)
     }
 
     #[test]
