@@ -97,7 +97,7 @@ if [ "${UCM_SKIP_VLLM:-0}" != "1" ] && [ "${UCM_SKIP_MODEL:-0}" != "1" ]; then
 fi
 
 # Rebuild the extension only when Rust sources or build files changed.
-src_hash="$( (find rust -type f \( -name '*.rs' -o -name 'Cargo.toml' \) -print0 | sort -z | xargs -0 cat; cat Cargo.toml Cargo.lock pyproject.toml) 2>/dev/null | sha256sum | cut -d' ' -f1)"
+src_hash="$( (find rust -type f \( -name '*.rs' -o -name '*.toml' \) -print0 | sort -z | xargs -0 cat; cat Cargo.toml Cargo.lock pyproject.toml) 2>/dev/null | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$src_hash" ] \
     || ! "$VENV/bin/python" -c 'import ucm._native' >/dev/null 2>&1; then
     log "building the native extension (release)"

@@ -1,10 +1,10 @@
 //! Generates the config key declarations (`config::keys`) from
-//! `src/config/keys.toml`, where every key and stage is written once.
+//! `src/config/keys.toml`, where every key is written once.
 //!
-//! The output is plain Rust: one `&[Key]` constant per key group and the
-//! `STAGES` table, so the declarations stay `const` and cost nothing at
-//! run time. A mistake in the file fails the build with a message naming
-//! the key.
+//! The output is plain Rust: one `&[Key]` constant per key group, so the
+//! declarations stay `const` and cost nothing at run time (the stages that
+//! take the groups are declared in `store/registry.rs`). A mistake in the
+//! file fails the build with a message naming the key.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -27,8 +27,9 @@ fn main() {
 
 type Fallible<T> = Result<T, String>;
 
-/// The whole generated file: the key groups, then the stages.
+/// The whole generated file: the key groups.
 fn generate(declared: &Table) -> Fallible<String> {
+    only(declared, &["keys"])?;
     let groups = table(declared, "keys", "the file")?;
     let mut code = String::new();
     for (group, keys) in groups {
@@ -53,16 +54,6 @@ fn generate(declared: &Table) -> Fallible<String> {
         }
         code.push_str("];\n\n");
     }
-    code.push_str("/// Every built-in stage, in the order users see them.\npub static STAGES: &[Stage] = &[\n");
-    let stages = declared
-        .get("stage")
-        .and_then(Value::as_array)
-        .ok_or("expected [[stage]] entries")?;
-    for stage in stages {
-        let stage = stage.as_table().ok_or("a [[stage]] entry is not a table")?;
-        let _ = writeln!(code, "{},", stage_expr(stage, groups)?);
-    }
-    code.push_str("];\n");
     Ok(code)
 }
 
@@ -105,29 +96,6 @@ fn key_expr(key: &Table) -> Fallible<String> {
         (false, None) => "Dflt::Unset".to_string(),
     };
     Ok(format!("Key::new({name:?}, {kind}, {default}, {doc:?})"))
-}
-
-/// `Stage { ... }` for one `[[stage]]` entry, its groups checked against
-/// the declared ones.
-fn stage_expr(stage: &Table, groups: &Table) -> Fallible<String> {
-    let name = text(stage, "name")?;
-    only(stage, &["name", "aliases", "doc", "groups"]).map_err(|e| format!("stage {name}: {e}"))?;
-    let aliases = match stage.get("aliases") {
-        Some(_) => strings(stage, "aliases")?,
-        None => Vec::new(),
-    };
-    let mut uses = Vec::new();
-    for group in strings(stage, "groups")? {
-        if !groups.contains_key(group) {
-            return Err(format!("stage {name}: no key group {group:?}"));
-        }
-        uses.push(group.to_uppercase());
-    }
-    Ok(format!(
-        "    Stage {{ name: {name:?}, aliases: &{aliases:?}, doc: {:?}, groups: &[{}] }}",
-        text(stage, "doc")?,
-        uses.join(", ")
-    ))
 }
 
 /// "keys.posix.io_threads: ..." for an error in one key.

@@ -214,7 +214,7 @@ def test_native_transfer_takes_exactly_one_form_of_memory(tmp_path: Path) -> Non
     from ucm import _native
 
     values = {"storage_backends": str(tmp_path), "block_size": SHARD, "shard_size": SHARD}
-    store = _native.NativeStore.open_stage("Posix", {**values, "tensor_size_list": [SHARD]}, None)
+    store = _native.NativeStore.open_pipeline([("Posix", {**values, "tensor_size_list": [SHARD]})])
     ids, idx = [bytes(16)], [0]
     dst = torch.zeros(SHARD, dtype=torch.uint8)
     segments = ([dst.data_ptr()], [SHARD], [0, 1])
@@ -235,3 +235,45 @@ def test_native_transfer_takes_exactly_one_form_of_memory(tmp_path: Path) -> Non
             store.transfer("load", ids, idx, segments=segments, prerequisite_handle=7, owner=dst)
     finally:
         store.close()
+
+
+class ClosingRecorder:
+    """A store written in Python that only counts how often it was closed."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_pipeline_owns_the_store_it_is_given_and_closes_it_when_it_fails(
+    tmp_path: Path,
+) -> None:
+    from ucm import _native
+
+    cache = {"block_size": SHARD, "tensor_size_list": [SHARD], "buffer_number": 16}
+    posix = {"storage_backends": str(tmp_path), "block_size": SHARD}
+    given = ClosingRecorder()
+    store = _native.NativeStore.open_pipeline([("Cache", cache)], given)
+    assert given.closed == 0
+    store.close()
+    assert given.closed == 1
+    for stages, clients, reason in (
+        ([("Cache", {**cache, "fill_policy": "sometimes"})], {}, "fill_policy"),
+        ([("Posix", posix)], {}, r"stage 1 \('Posix'\) .* only 'Cache' can"),
+        ([("Cache", cache)], {"ftp": object()}, 'no stage is opened with a client "ftp"'),
+    ):
+        given = ClosingRecorder()
+        with pytest.raises(InvalidParamError, match=reason):
+            _native.NativeStore.open_pipeline(stages, given, clients)
+        assert given.closed == 1, reason
+
+
+def test_the_stages_of_a_pipeline_agree_on_the_geometry(tmp_path: Path) -> None:
+    from ucm import _native
+
+    cache = {"block_size": SHARD, "buffer_number": 16}
+    posix = {"storage_backends": str(tmp_path), "block_size": 2 * SHARD}
+    with pytest.raises(InvalidParamError, match=r"stage Posix: .* differ from stage Cache's"):
+        _native.NativeStore.open_pipeline([("Cache", cache), ("Posix", posix)])

@@ -27,9 +27,10 @@ def config() -> None:
     help="kv_connector_extra_config as JSON, as given to vLLM.",
 )
 def check(file: str | None, extra_json: str) -> None:
-    """Validate FILE (a UCM YAML config) merged with --extra and UCM_*
-    environment variables, as the connector does at start-up, and print every
-    key with its source. Exits 1 with the connector's message on error."""
+    """Validate FILE (a UCM YAML config, a regular file of at most 1 MiB)
+    merged with --extra and UCM_* environment variables, as the connector
+    does at start-up, and print every key with its source. Exits 1 with the
+    connector's message on error."""
     from ucm.integration.vllm.config_check import check_config, describe
 
     env = dict(os.environ)
@@ -39,6 +40,8 @@ def check(file: str | None, extra_json: str) -> None:
         extra = json.loads(extra_json)
     except json.JSONDecodeError as e:
         raise click.BadParameter(f"not JSON: {e}", param_hint="--extra") from None
+    except RecursionError:
+        raise click.BadParameter("nested too deeply", param_hint="--extra") from None
     try:
         cfg = check_config(extra, env)
     except ConfigError as e:

@@ -5,12 +5,20 @@ variables (strings). :func:`build_dataclass` turns such a mapping into a
 dataclass, converting what can be converted losslessly and raising
 :class:`ConfigError` that names the key, its source and the valid keys
 otherwise.
+
+Every file a user names as config (``UCM_CONFIG_FILE``, ``ucm config check
+FILE``, ``ucm store --config``, ``metrics_config_path``,
+:meth:`~ucm.store.config.PipelineStoreConfig.from_yaml`) is read by
+:func:`read_config_file` and parsed by :func:`load_yaml`: a regular file of
+at most :data:`MAX_CONFIG_BYTES`, never a device, FIFO or directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -21,9 +29,30 @@ from ucm.errors import InvalidParamError
 
 T = TypeVar("T")
 
+#: The largest config file read (1 MiB). A config is a few KiB; the limit
+#: keeps a wrong path (a log, a disk image) from filling memory.
+MAX_CONFIG_BYTES = 1 << 20
+#: The most values (scalars and collections, each alias counted where it is
+#: used) a config file may expand to, and how deeply they may nest: a small
+#: file whose anchors refer to each other ("billion laughs") or thousands of
+#: nested brackets would otherwise cost unbounded time and memory, or the
+#: stack, in whatever walks the values next.
+MAX_CONFIG_VALUES = 1 << 20
+MAX_CONFIG_DEPTH = 64
+
 
 class ConfigError(InvalidParamError):
     """A config key is unknown or has a value of the wrong type or range."""
+
+
+def as_mapping(values: Any, source: str) -> dict[str, Any]:
+    """``values`` as a dict, or a :class:`ConfigError` naming ``source`` when
+    it is not a mapping of keys to values (a list, a string, None...)."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"{source}: a config must be a mapping of keys to values, got {type(values).__name__}"
+        )
+    return dict(values)
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -144,6 +173,7 @@ def build_dataclass(
     allow_unknown: bool = False,
 ) -> T:
     """Builds ``cls`` from ``values``; unknown keys are errors unless allowed."""
+    values = as_mapping(values, source)
     hints = typing.get_type_hints(cls)
     names = set(field_names(cls))
     unknown = sorted(k for k in values if k not in names)
@@ -179,6 +209,8 @@ def _strict_loader() -> type:
         for key_node, _ in node.value:
             key = loader.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):
+                continue  # construct_mapping below refuses it, naming the line
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None,
@@ -193,20 +225,114 @@ def _strict_loader() -> type:
     return StrictLoader
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Reads a YAML mapping, with errors that name the file. A key given
-    twice in one mapping is an error."""
+def _file_kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def read_config_file(path: str | Path, what: str = "config file") -> str:
+    """The text of the config file ``path``: a regular file of at most
+    :data:`MAX_CONFIG_BYTES`, in UTF-8. Anything else (a device, a FIFO, a
+    directory, a symlink to one of them, a larger file) is a
+    :class:`ConfigError` naming the path, without blocking and without
+    reading more than the limit."""
+    p = Path(path)
+    where = f"{what} {p}"
+    # Non-blocking, so that opening a FIFO (or a device that waits for a
+    # peer) returns at once instead of waiting for a writer; the type check
+    # below refuses it.
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(p, flags)
+    except OSError as e:
+        raise ConfigError(f"cannot read {where}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            target = os.path.realpath(p)
+            via = f" ({p} leads to {target})" if target != str(p.absolute()) else ""
+            raise ConfigError(
+                f"{where} is {_file_kind(st.st_mode)}{via}; a config file must be a regular file"
+            )
+        too_big = (
+            f"{where} is larger than the {MAX_CONFIG_BYTES} bytes (1 MiB) a config file may have"
+        )
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{too_big} ({st.st_size} bytes)")
+        # A regular file: plain blocking reads from here on. The size may
+        # change under us (or be unknown, as in /proc), so the read itself
+        # stops one byte past the limit.
+        os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        total = 0
+        while total <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > MAX_CONFIG_BYTES:
+            raise ConfigError(too_big)
+    except OSError as e:
+        raise ConfigError(f"cannot read {where}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def _check_size(data: Any, where: str) -> None:
+    """Refuses values that expand beyond :data:`MAX_CONFIG_VALUES` or nest
+    deeper than :data:`MAX_CONFIG_DEPTH` (walked without recursion, and
+    stopping at the limit, so a "billion laughs" costs nothing here)."""
+    stack = [(data, 1)]
+    count = 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"{where} expands to more than {MAX_CONFIG_VALUES} values "
+                "(anchors and aliases count each time they are used)"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{where} nests values deeper than {MAX_CONFIG_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for kv in value.items() for v in kv)
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def load_yaml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """Reads a YAML (or JSON) mapping from a file a user named, through
+    :func:`read_config_file`, with errors that name the file. A key given
+    twice in one mapping is an error, and so are values that expand or nest
+    beyond the limits."""
     import yaml
 
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p}: {e}") from e
+    text = read_config_file(p, what)
     try:
         data = yaml.load(text, Loader=_strict_loader()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        raise ConfigError(f"{what} {p} is not valid YAML: {e}") from None
+    except RecursionError:
+        # PyYAML composes nested collections recursively.
+        raise ConfigError(
+            f"{what} {p} nests values deeper than {MAX_CONFIG_DEPTH} levels"
+        ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a mapping at top level")
+        raise ConfigError(
+            f"{what} {p} must hold a mapping of keys to values at top level, "
+            f"got {type(data).__name__}"
+        )
+    _check_size(data, f"{what} {p}")
     return data

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm import _native
-from ucm.shared.config import ConfigError, did_you_mean, load_yaml
+from ucm.shared.config import ConfigError, as_mapping, did_you_mean, load_yaml
 
 PIPELINE_KEYS = ("store_pipeline",)
 GIB = 1 << 30
@@ -60,12 +60,19 @@ class KeySpec:
 
 @dataclass(frozen=True)
 class StageSchema:
-    """A built-in stage and its keys."""
+    """A built-in stage and its keys, as the core's stage registry declares
+    them."""
 
     name: str
     aliases: tuple[str, ...]
     doc: str
     keys: tuple[KeySpec, ...]
+    place: str = "bottom"
+    """``tier`` (sits over another stage, like ``Cache``) or ``bottom``."""
+    client: str | None = None
+    """The client of another system the stage is opened with (``mooncake``)."""
+    maintainable: bool = False
+    """Whether ``ucm store`` reaches the stage's contents."""
 
     def key_names(self) -> list[str]:
         return [k.name for k in self.keys]
@@ -82,6 +89,9 @@ def stage_schemas() -> dict[str, StageSchema]:
             aliases=tuple(s["aliases"]),
             doc=s["doc"],
             keys=tuple(KeySpec(**{**k, "choices": tuple(k["choices"])}) for k in s["keys"]),
+            place=s["place"],
+            client=s["client"],
+            maintainable=s["maintainable"],
         )
         for name in (schema.name, *schema.aliases):
             out[name] = schema
@@ -112,8 +122,9 @@ class StageConfig:
 def check_stage(name: str, values: Mapping[str, Any], source: str) -> StageConfig:
     """Checks one built-in stage's keys as the core does when it opens it."""
     schema = stage_schemas()[name]
+    values = as_mapping(values, f"stage {name} ({source})")
     try:
-        checked = _native.check_stage(name, dict(values))
+        checked = _native.check_stage(name, values)
     except ConfigError as e:
         key = getattr(e, "key", None)
         reason = getattr(e, "reason", str(e))
@@ -146,11 +157,11 @@ class PipelineStoreConfig:
         neither built in nor listed are looked up in
         :class:`~ucm.store.factory.UcmConnectorFactory`.
         """
-        values = dict(values)
+        values = as_mapping(values, source)
         pipeline = values.pop("store_pipeline", "Posix")
         if not isinstance(pipeline, str) or not pipeline.strip():
             raise ConfigError(f"store_pipeline ({source}): expected a name like 'Cache|Posix'")
-        names = [s.strip() for s in pipeline.split("|")]
+        names = pipeline_stages(pipeline, source)
         builtin = stage_schemas()
         extra = dict(extra_stage_keys or {})
         for name in names:
@@ -158,7 +169,6 @@ class PipelineStoreConfig:
                 keys = _registered_stage_keys(name)
                 if keys is not False:
                     extra[name] = keys
-        _check_order(names, pipeline, source)
         known, open_ended = set(PIPELINE_KEYS), False
         for name in names:
             if name in builtin:
@@ -195,22 +205,20 @@ class PipelineStoreConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> PipelineStoreConfig:
-        """Reads a flat store config from a YAML file."""
-        return cls.from_dict(load_yaml(path), source=str(path))
+        """Reads a flat store config from a YAML file (see
+        :func:`~ucm.shared.config.load_yaml` for what a config file may be)."""
+        return cls.from_dict(load_yaml(path, "store config file"), source=str(path))
 
 
-def _check_order(names: list[str], pipeline: str, source: str) -> None:
-    for i, name in enumerate(names):
-        if name == "" or (i < len(names) - 1 and name != "Cache"):
-            raise ConfigError(
-                f"store_pipeline ({source}): stage {i + 1} ({name!r}) of {pipeline!r} sits "
-                "above another stage, but only 'Cache' can"
-            )
-    if names[-1] == "Cache":
-        raise ConfigError(
-            f"store_pipeline ({source}): 'Cache' needs a stage below it, "
-            "e.g. 'Cache|Posix' or 'Cache|Empty'"
-        )
+def pipeline_stages(pipeline: str, source: str = "config") -> list[str]:
+    """The stage names of ``pipeline``, top first, once the core found their
+    order right: only a tier (``Cache``) sits above another stage, and the
+    bottom one is not a tier."""
+    try:
+        return list(_native.pipeline_stages(pipeline))
+    except ConfigError as e:
+        reason = getattr(e, "reason", str(e))
+        raise ConfigError(f"store_pipeline ({source}): {reason}") from None
 
 
 def all_stage_keys() -> set[str]:
@@ -252,5 +260,6 @@ __all__ = [
     "all_stage_keys",
     "check_stage",
     "iter_keys",
+    "pipeline_stages",
     "stage_schemas",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from ucm.shared.config import as_mapping
 from ucm.shared.registry import LazyRegistry
 from ucm.store.base import UcmKVStoreBase
 from ucm.store.errors import InvalidParamError
@@ -48,5 +49,9 @@ class UcmConnectorFactory(LazyRegistry[UcmKVStoreBase]):
 
     @classmethod
     def create_connector(cls, name: str, config: Mapping[str, Any]) -> UcmKVStoreBase:
-        """Creates the store registered under ``name`` with ``config``."""
-        return cls.get_class(name)(dict(config))
+        """Creates the store registered under ``name`` with ``config`` (a
+        mapping, else :class:`~ucm.shared.config.ConfigError`)."""
+        if not isinstance(name, str):
+            raise InvalidParamError(f"name: expected a store name, got {type(name).__name__}")
+        store_class = cls.get_class(name)
+        return store_class(as_mapping(config, f"config of store {name!r}"))

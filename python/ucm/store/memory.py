@@ -99,12 +99,19 @@ def pack_tensors(
     return ptrs, lens, offsets
 
 
-def as_addr_matrix(addrs: Any, n_shards: int) -> np.ndarray:
-    """A C-contiguous (n_shards, k) uint64 array from an array or nested list."""
-    arr = np.ascontiguousarray(np.asarray(addrs, dtype=np.uint64))
+def as_addr_matrix(addrs: Any, n_shards: int, what: str = "addresses") -> np.ndarray:
+    """A C-contiguous (n_shards, k) uint64 array from an array or nested list;
+    anything else (a negative or fractional address, None, text) is an
+    :class:`InvalidParamError` naming ``what``."""
+    try:
+        arr = np.ascontiguousarray(np.asarray(addrs, dtype=np.uint64))
+    except (OverflowError, TypeError, ValueError) as e:
+        raise InvalidParamError(
+            f"{what}: expected a 2-D array of addresses (unsigned 64-bit integers): {e}"
+        ) from None
     if arr.ndim != 2 or arr.shape[0] != n_shards:
         raise InvalidParamError(
-            f"addresses must be a 2-D array with one row per block id ({n_shards}), "
+            f"{what} must be a 2-D array with one row per block id ({n_shards}), "
             f"got shape {arr.shape}"
         )
     return arr
@@ -113,7 +120,7 @@ def as_addr_matrix(addrs: Any, n_shards: int) -> np.ndarray:
 def _pack_regions(
     regions: Regions, n_shards: int, *, writable: bool, sizes: Sequence[int]
 ) -> tuple[list[int], list[int], list[int]]:
-    addrs = as_addr_matrix(regions.addrs, n_shards)
+    addrs = as_addr_matrix(regions.addrs, n_shards, "Regions.addrs")
     if addrs.shape[1] != len(sizes):
         raise InvalidParamError(
             f"Regions.addrs has {addrs.shape[1]} column(s) but the store's tensor_size_list "

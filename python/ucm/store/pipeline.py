@@ -28,40 +28,14 @@ from ucm.store.errors import InvalidParamError
 from ucm.store.memory import Regions, as_addr_matrix, pack_tensors
 
 
-def _open_stage(cfg: StageConfig, backend: Any = None) -> _native.NativeStore:
-    """Opens a built-in stage (a ``Cache`` over ``backend``) in the core,
-    which checks the keys again as it builds the store."""
-    return _native.NativeStore.open_stage(cfg.name, dict(cfg.values), backend)
+def _connect(client: str, cfg: StageConfig) -> Any:
+    """The client of another system that the stage ``cfg`` is opened with
+    (the stage registry names it)."""
+    if client == "mooncake":
+        from ucm.store.mooncake import MooncakePool
 
-
-def _open_bottom(cfg: StageConfig) -> _native.NativeStore:
-    """Opens the bottom stage; a Mooncake stage first joins its pool with
-    Mooncake's own client, which the core then calls."""
-    if stage_schemas()[cfg.name].name != "Mooncake":
-        return _open_stage(cfg)
-    from ucm.store.mooncake import MooncakePool
-
-    pool = MooncakePool.connect(cfg)
-    try:
-        return _open_stage(cfg, pool)
-    except BaseException:
-        pool.close()
-        raise
-
-
-def _check_geometry(stages: list[tuple[str, Any]]) -> None:
-    """Every stage that knows the block geometry must agree on it."""
-    seen: tuple[str, tuple[Any, ...]] | None = None
-    for name, cfg in stages:
-        if not hasattr(cfg, "block_size"):
-            continue
-        geo = (cfg.block_size, cfg.shard_size)
-        if seen is None:
-            seen = (name, geo)
-        elif seen[1] != geo:
-            raise InvalidParamError(
-                f"stage {name}: block_size/shard_size {geo} differ from stage {seen[0]}'s {seen[1]}"
-            )
+        return MooncakePool.connect(cfg)
+    raise InvalidParamError(f"stage {cfg.name}: no way to build its {client!r} client")
 
 
 def _close_quietly(native: _native.NativeStore) -> None:
@@ -81,11 +55,11 @@ class UcmPipelineStore(UcmKVStoreBase):
         super().__init__(dict(stages=config.stages, store_pipeline=config.store_pipeline))
         self.pipeline_config = config
         stages = config.stages
-        _check_geometry(stages)
+        schemas = stage_schemas()
+        builtin = [(cfg.name, dict(cfg.values)) for name, cfg in stages if name in schemas]
         bottom_name, bottom_cfg = stages[-1]
-        if bottom_name in stage_schemas():
-            native: Any = _open_bottom(bottom_cfg)
-        else:
+        external: UcmKVStoreBase | None = None
+        if bottom_name not in schemas:
             if len(stages) == 1:
                 raise InvalidParamError(
                     f"store_pipeline {config.store_pipeline!r}: a registered store alone is not "
@@ -94,12 +68,25 @@ class UcmPipelineStore(UcmKVStoreBase):
                 )
             from ucm.store.factory import UcmConnectorFactory
 
-            native = UcmConnectorFactory.create_connector(bottom_name, bottom_cfg)
+            external = UcmConnectorFactory.create_connector(bottom_name, bottom_cfg)
+        clients: dict[str, Any] = {}
         try:
-            for _name, cfg in reversed(stages[:-1]):
-                native = _open_stage(cfg, native)
+            for name, cfg in stages:
+                client = schemas[name].client if name in schemas else None
+                if client is not None:
+                    clients[client] = _connect(client, cfg)
         except BaseException:
-            native.close()
+            for opened in [*clients.values(), external]:
+                if opened is not None:
+                    opened.close()
+            raise
+        try:
+            # The bottom stage first, then each tier over it; if a stage
+            # fails, the core closes what it was given and what it opened.
+            native = _native.NativeStore.open_pipeline(builtin, external, clients)
+        except BaseException:
+            for client in clients.values():
+                client.close()
             raise
         self.stage_name = stages[0][0]
         self._sizes: list[int] = list(getattr(stages[0][1], "tensor_size_list", None) or [])
@@ -138,8 +125,9 @@ class UcmPipelineStore(UcmKVStoreBase):
         :meth:`load` and :meth:`dump` are this with ``load`` fixed."""
         if isinstance(tensors, Regions):
             bounds = tensors.bounds(writable=load)
+            addrs = as_addr_matrix(tensors.addrs, len(block_ids), "Regions.addrs")
             return self._addr_transfer(
-                block_ids, shard_index, tensors.addrs, load=load, owner=tensors, bounds=bounds
+                block_ids, shard_index, addrs, load=load, owner=tensors, bounds=bounds
             )
         tid = self._native.transfer(
             "load" if load else "dump",

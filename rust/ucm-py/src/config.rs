@@ -1,15 +1,18 @@
-//! The config schema and checks of `ucm-core` for Python: the declarations
-//! (`config_schema`), and the parsing of one stage's keys (`check_stage`),
-//! which is also what `NativeStore.open_stage` does before opening.
+//! The stage registry of `ucm-core` for Python: the declarations
+//! (`config_schema`), the order of a `store_pipeline` (`pipeline_stages`)
+//! and the checks of one stage's keys (`check_stage`), which is also what
+//! `NativeStore.open_pipeline` does before opening.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
-use ucm_core::config::{self, Dflt, Geometry, Key, Kind, Raw, Stage, Val, Values};
+use ucm_core::config::{self, Dflt, Key, Kind, Raw, Val};
+use ucm_core::store::pipeline;
+use ucm_core::store::registry::{self, Place, StageDef};
 
 use crate::errors::to_py;
 
 /// A Python value as the core's config parser takes it.
-fn to_raw(obj: &Bound<'_, PyAny>) -> Raw {
+pub fn to_raw(obj: &Bound<'_, PyAny>) -> Raw {
     if obj.is_none() {
         return Raw::Null;
     }
@@ -61,37 +64,16 @@ fn to_py_value<'py>(py: Python<'py>, v: &Val) -> PyResult<Bound<'py, PyAny>> {
 }
 
 /// The stage named `name`, or a `ConfigError` naming the valid ones.
-pub fn find_stage(name: &str) -> PyResult<&'static Stage> {
-    config::stage(name).ok_or_else(|| {
-        let valid: Vec<&str> = config::stages().iter().map(|s| s.name).collect();
-        to_py(
-            config::ConfigError::new(
-                "store_pipeline",
-                format!(
-                    "unknown stage {name:?}{}; built-in stages: {}",
-                    config::suggestion(name, &valid),
-                    valid.join(", ")
-                ),
-            )
-            .into(),
-        )
-    })
+pub fn find_stage(name: &str) -> PyResult<&'static StageDef> {
+    registry::find_or_err(name).map_err(|e| to_py(e.into()))
 }
 
-/// Parses `values` (a mapping of one stage's keys) as `stage` declares,
-/// resolving the geometry of the stages that have one.
-pub fn parse(stage: &Stage, values: &Bound<'_, PyDict>) -> PyResult<Values> {
-    let raw: Vec<(String, Raw)> = values
+/// The pairs of a mapping of keys, as the core's config parser takes them.
+pub fn raw_pairs(values: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Raw)>> {
+    values
         .iter()
         .map(|(k, v)| Ok((k.extract::<String>()?, to_raw(&v))))
-        .collect::<PyResult<_>>()?;
-    let mut v = config::parse_stage(stage, &raw).map_err(|e| to_py(e.into()))?;
-    if stage.key("block_size").is_some() {
-        Geometry::from_values(&v)
-            .map_err(|e| to_py(e.into()))?
-            .write_to(&mut v);
-    }
-    Ok(v)
+        .collect()
 }
 
 /// Checks one stage's keys; returns every key of the stage with its value
@@ -103,18 +85,9 @@ fn check_stage<'py>(
     stage: &str,
     values: &Bound<'py, PyDict>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let s = find_stage(stage)?;
-    let v = parse(s, values)?;
-    // The cross-key checks of the stage's struct (capacity, locations...).
-    let built: Result<(), config::ConfigError> = match s.name {
-        "Posix" => ucm_core::store::PosixConfig::from_values(&v).map(drop),
-        "Cache" => ucm_core::store::CacheConfig::from_values(&v).map(drop),
-        "S3" => ucm_core::store::s3::S3Config::from_values(&v).map(drop),
-        "NFS" => ucm_core::store::nfs::NfsConfig::from_values(&v).map(drop),
-        "Mooncake" => ucm_core::store::mooncake::MooncakeConfig::from_values(&v).map(drop),
-        _ => Ok(()),
-    };
-    built.map_err(|e| to_py(e.into()))?;
+    let v = find_stage(stage)?
+        .check(&raw_pairs(values)?)
+        .map_err(|e| to_py(e.into()))?;
     let out = PyDict::new(py);
     for (k, val) in v.iter() {
         out.set_item(k, to_py_value(py, val)?)?;
@@ -122,15 +95,30 @@ fn check_stage<'py>(
     Ok(out)
 }
 
+/// The stage names of `spec` (trimmed, top first) after checking their
+/// order: only a tier sits above another stage, and the bottom one is not
+/// a tier. Names that are not built in are kept as written (stores
+/// registered from Python). Raises `ConfigError` (`.key`
+/// `store_pipeline`, `.reason`).
+#[pyfunction]
+fn pipeline_stages(spec: &str) -> PyResult<Vec<String>> {
+    pipeline::parse(spec).map_err(|e| to_py(e.into()))?;
+    Ok(spec.split('|').map(|n| n.trim().to_string()).collect())
+}
+
 /// The declarations of every built-in stage: a list of dicts `{name,
-/// aliases, doc, keys: [{name, type, default, required, min, max, choices,
-/// doc, secret, shared}]}`; `default` is the config text, or None;
-/// `shared` keys (the geometry, `device_id`, `timeout_ms`) are the same in
-/// every stage that has them.
+/// aliases, doc, place, client, maintainable, keys: [{name, type, default,
+/// required, min, max, choices, doc, secret, shared}]}`. `place` is `tier`
+/// (sits over another stage) or `bottom`; `client` names the client of
+/// another system the stage is opened with (`mooncake`), or is None;
+/// `maintainable` says whether `ucm store` reaches its contents. A key's
+/// `default` is the config text, or None; `shared` keys (the geometry,
+/// `device_id`, `timeout_ms`) are the same in every stage that has them.
 #[pyfunction]
 fn config_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     let out = PyList::empty(py);
-    for s in config::stages() {
+    for def in registry::stages() {
+        let s = &def.config;
         let keys = PyList::empty(py);
         let shared = |k: &Key| {
             [
@@ -174,6 +162,13 @@ fn config_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
         d.set_item("name", s.name)?;
         d.set_item("aliases", s.aliases.to_vec())?;
         d.set_item("doc", s.doc)?;
+        let place = match def.place {
+            Place::Tier(_) => "tier",
+            Place::Bottom(_) => "bottom",
+        };
+        d.set_item("place", place)?;
+        d.set_item("client", def.client.map(|c| c.name()))?;
+        d.set_item("maintainable", def.maintenance.is_some())?;
         d.set_item("keys", keys)?;
         out.append(d)?;
     }
@@ -190,6 +185,7 @@ fn expand_env(key: &str, value: &str) -> PyResult<String> {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_stage, m)?)?;
+    m.add_function(wrap_pyfunction!(pipeline_stages, m)?)?;
     m.add_function(wrap_pyfunction!(expand_env, m)?)?;
     m.add_function(wrap_pyfunction!(config_schema, m)?)?;
     Ok(())

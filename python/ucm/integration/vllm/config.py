@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from ucm.hashing import HASH_ALGOS
-from ucm.shared.config import ConfigError, build_dataclass, did_you_mean, load_yaml, ranged
+from ucm.shared.config import (
+    ConfigError,
+    as_mapping,
+    build_dataclass,
+    did_you_mean,
+    load_yaml,
+    ranged,
+)
 from ucm.shared.logging import get_logger
 
 logger = get_logger(__name__)
@@ -183,6 +190,7 @@ class _Layer:
         self.name = name
         self.top: dict[str, Any] = {}
         self.store_name: str | None = None
+        self.store_name_source = name
         self.store_module: str | None = None
         self.store: dict[str, Any] = {}
 
@@ -295,13 +303,29 @@ def _metrics_path(value: str, sources: Mapping[str, str], config_file: str | Non
     return path.resolve()
 
 
+def _check_store_name(name: str, module: str | None, source: str) -> None:
+    """A store name the factory knows, or one whose module the config names
+    (the connector registers it from there): anything else would only fail
+    when the store is first opened, and then be retried forever."""
+    from ucm.store.factory import UcmConnectorFactory
+
+    if module is not None or name in UcmConnectorFactory.registered():
+        return
+    valid = UcmConnectorFactory.registered()
+    raise ConfigError(
+        f"ucm_connectors[0].ucm_connector_name ({source}): unknown store {name!r}"
+        f"{did_you_mean(name, valid)}; registered stores: {', '.join(valid)} "
+        "(a store of your own needs ucm_connector_module_path too)"
+    )
+
+
 def resolve_config(
     extra_config: Mapping[str, Any] | None,
     env: Mapping[str, str] | None = None,
 ) -> ResolvedConfig:
     """Merges the sources and validates every key (raises :class:`ConfigError`)."""
     env = dict(os.environ if env is None else env)
-    extra = dict(extra_config or {})
+    extra = as_mapping(extra_config or {}, "kv_connector_extra_config")
     skeys = store_keys()
 
     config_file = env.get(CONFIG_FILE_KEY) or extra.get(CONFIG_FILE_KEY)
@@ -328,12 +352,14 @@ def resolve_config(
     # Store: name from the highest layer naming one; keys merged key by key,
     # restarting whenever a higher layer names a different store.
     name = DEFAULT_STORE_NAME
+    name_src = "default"
     module: str | None = None
     store_cfg: dict[str, Any] = default_store_config()
     store_src: dict[str, str] = {}
     for layer in layers:
         if layer.store_name is not None and layer.store_name != name:
             name = layer.store_name
+            name_src = layer.store_name_source
             store_cfg = {} if name != DEFAULT_STORE_NAME else default_store_config()
             store_src = {}
         if layer.store_module is not None:
@@ -341,6 +367,7 @@ def resolve_config(
         for k, v in layer.store.items():
             store_cfg[k] = v
             store_src[k] = _source_label(layer, k)
+    _check_store_name(name, module, name_src)
     spec = StoreSpec(name=name, config=store_cfg, module_path=module, sources=store_src)
 
     metrics: dict[str, Any] = {}
@@ -360,7 +387,7 @@ def resolve_config(
                     else f" (a relative path is taken from the working directory {Path.cwd()})"
                 )
             )
-        metrics = load_yaml(path)
+        metrics = load_yaml(path, "metrics config file")
         unknown = sorted(set(metrics) - {"enabled", "duration_buckets_ms"})
         if unknown:
             raise ConfigError(

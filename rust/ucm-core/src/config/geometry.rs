@@ -38,7 +38,14 @@ impl Geometry {
             ));
         }
         let sizes: Vec<usize> = match (v.sizes("tensor_size_list"), v.opt_int("tensor_size")) {
-            (Some(list), _) => list.iter().map(|&s| s as usize).collect(),
+            // Two answers to one question: which one was meant is a guess.
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "tensor_size",
+                    "give tensor_size or tensor_size_list, not both",
+                ))
+            }
+            (Some(list), None) => list.iter().map(|&s| s as usize).collect(),
             (None, Some(t)) => {
                 let t = t as usize;
                 if shard % t != 0 {
@@ -78,13 +85,58 @@ impl Geometry {
     }
 
     /// The resolved geometry written back into `v` (what a caller reads
-    /// back from a checked config).
+    /// back from a checked config). `tensor_size` is folded into
+    /// `tensor_size_list`, so the values check again as they are.
     pub fn write_to(&self, v: &mut Values) {
         use super::Val;
         v.set("shard_size", Val::Int(self.shard_size as i64));
+        if v.get("tensor_size").is_some() {
+            v.set("tensor_size", Val::Unset);
+        }
         v.set(
             "tensor_size_list",
             Val::Sizes(self.tensor_size_list.iter().map(|&s| s as u64).collect()),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{parse_stage, Raw, Stage};
+    use crate::store::registry;
+
+    fn stage(name: &str) -> Option<&'static Stage> {
+        registry::find(name).map(|s| &s.config)
+    }
+
+    fn posix(extra: &[(&str, Raw)]) -> Values {
+        let mut raw = vec![
+            ("storage_backends".to_string(), Raw::Str("/a".into())),
+            ("block_size".to_string(), Raw::Int(4096)),
+        ];
+        raw.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        parse_stage(stage("Posix").unwrap(), &raw).unwrap()
+    }
+
+    #[test]
+    fn tensor_size_beside_tensor_size_list_is_refused() {
+        let both = posix(&[
+            ("tensor_size", Raw::Int(1024)),
+            ("tensor_size_list", Raw::List(vec![Raw::Int(4096)])),
+        ]);
+        let e = Geometry::from_values(&both).unwrap_err();
+        assert_eq!(e.key, "tensor_size");
+        assert!(e.reason.contains("tensor_size_list"), "{e}");
+        // Either one alone resolves, and the resolved values check again.
+        for one in [
+            ("tensor_size", Raw::Int(1024)),
+            ("tensor_size_list", Raw::List(vec![Raw::Int(4096)])),
+        ] {
+            let mut v = posix(&[one]);
+            let g = Geometry::from_values(&v).unwrap();
+            g.write_to(&mut v);
+            assert_eq!(Geometry::from_values(&v).unwrap(), g);
+        }
     }
 }

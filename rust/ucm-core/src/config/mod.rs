@@ -1,9 +1,10 @@
 //! Store configuration, declared once.
 //!
 //! Every config key of every built-in store stage is declared in
-//! `keys.toml`, with its type, range, default and documentation, and so is
-//! which keys each stage takes; the build turns it into the [`Key`] tables
-//! of [`keys`] and the [`Stage`]s, and each stage builds its struct next to
+//! `keys.toml`, with its type, range, default and documentation; the build
+//! turns it into the [`Key`] tables of [`keys`]. Which groups of keys each
+//! stage takes is declared with the stage, in
+//! [`crate::store::registry`], and each stage builds its struct next to
 //! its own code. Everything else derives from these declarations: the
 //! parsing and validation of loosely typed values (YAML, JSON, environment
 //! strings) into typed [`Values`], the Python view of the schema
@@ -20,14 +21,13 @@ mod schema;
 mod value;
 
 pub use geometry::Geometry;
-pub use keys::{stage, stages};
 pub use schema::{Dflt, Key, Kind, Stage, MAX_TIMEOUT_MS};
 
 /// The key groups several stages share.
 pub mod schema_groups {
     pub use super::keys::{COMMON, GEOMETRY};
 }
-pub use value::{parse_stage, suggestion, Raw, Val, Values};
+pub use value::{convert, parse_stage, suggestion, Raw, Val, Values};
 
 use std::fmt;
 

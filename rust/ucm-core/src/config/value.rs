@@ -437,7 +437,11 @@ fn as_int(raw: &Raw) -> Option<i128> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::stage;
+    use crate::store::registry;
+
+    fn stage(name: &str) -> Option<&'static Stage> {
+        registry::find(name).map(|s| &s.config)
+    }
 
     fn raw(pairs: &[(&str, Raw)]) -> Vec<(String, Raw)> {
         pairs

@@ -4,9 +4,12 @@
 //! UCM (lookup, prefix lookup, prefetch, asynchronous load/dump returning a
 //! task handle, wait, check), plus `flush` and `stats` for tiered stores.
 //! Built-in stores: [`posix::PosixStore`] (one file per block on local or
-//! mounted file systems), [`empty::EmptyStore`], and [`cache::CacheStore`], a
-//! host-memory tier composed over any other store; [`pipeline`] builds the
-//! stacks named by `store_pipeline` (`"Cache|Posix"`, ...).
+//! mounted file systems), [`s3::S3Store`], [`nfs::NfsStore`] and
+//! [`mooncake::MooncakeStore`] (remote tiers over one shell, [`remote`]),
+//! [`empty::EmptyStore`], and [`cache::CacheStore`], a host-memory tier
+//! composed over any other store. [`registry`] declares each of them as a
+//! stage once; [`pipeline`] builds the stacks named by `store_pipeline`
+//! (`"Cache|Posix"`, ...) from it.
 
 use crate::block::{BlockId, ShardIo};
 use crate::error::Result;
@@ -20,13 +23,13 @@ pub mod mooncake;
 pub mod nfs;
 pub mod pipeline;
 pub mod posix;
+pub mod registry;
 pub mod remote;
 pub mod s3;
 pub mod safe_fs;
 
 pub use cache::{CacheConfig, CacheStore};
 pub use empty::EmptyStore;
-pub use pipeline::{PipelineSpec, StageKind};
 pub use posix::{PosixConfig, PosixStore};
 
 /// Named figures of a store (counters, rates, latencies), as a sorted map so
