@@ -1,7 +1,8 @@
 """``ucm store`` on the remote stages: S3 against a real S3-compatible
 server (``moto_server``), NFS through a kernel-mounted export (a directory
 in the Posix layout; here a temporary directory the NFS stage writes as it
-writes a mount) and through the built-in client against NFS-Ganesha."""
+writes a mount) and through the built-in client against NFS-Ganesha. Only
+objects and files whose first header names their block are ever removed."""
 
 from __future__ import annotations
 
@@ -69,13 +70,48 @@ def test_s3_info_ls_verify_gc_clear(moto: MotoServer, tmp_path: Path) -> None:
     client.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
     code, out = run("verify", "--config", conf)
     assert code == 1 and f"corrupt {h}" in out and "shard 1: data checksum mismatch" in out, out
-    code, out = run("gc", "--config", conf)
-    assert code == 0 and "1 corrupt block(s)" in out, out
+    code, out = run("gc", "--config", conf, "--yes")
+    assert code == 0 and "removed 1 corrupt block(s)" in out, out
     assert "blocks     2" in run("info", "--config", conf)[1]
     code, out = run("clear", "--config", conf, "--yes")
     assert code == 0 and "removed 2 block(s)" in out, out
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert keys == ["kv/notes.txt"]
+
+
+def test_s3_removes_only_objects_that_are_ucm_blocks(moto: MotoServer, tmp_path: Path) -> None:
+    bucket = moto.create_bucket()
+    cfg = {"store_pipeline": "S3", **moto.store_keys(bucket, "kv")}
+    fill(cfg, [1, 2])
+    client = moto.client()
+
+    def key(n: int) -> str:
+        h = bid(n).hex()
+        return f"kv/{h[:2]}/{h}"
+
+    # At block keys: a user's object, and block 1's bytes under block 9's key.
+    client.put_object(Bucket=bucket, Key=key(8), Body=os.urandom(5000))
+    block1 = client.get_object(Bucket=bucket, Key=key(1))["Body"].read()
+    client.put_object(Bucket=bucket, Key=key(9), Body=block1)
+    conf = write_config(tmp_path / "s3.yaml", cfg)
+
+    def objects() -> dict[str, bytes]:
+        listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+        return {
+            o["Key"]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed
+        }
+
+    before = objects()
+    code, out = run("clear", "--config", conf, "--dry-run")
+    assert code == 0 and f"would remove s3://{bucket}/{key(1)} (block file)" in out, out
+    assert f"would leave s3://{bucket}/{key(8)}: not a ucm block file" in out, out
+    assert f"would leave s3://{bucket}/{key(9)}: a ucm block file of another block" in out, out
+    code, out = run("clear", "--config", conf)
+    assert code != 0 and "no terminal to ask on" in out, out
+    assert objects() == before
+    code, out = run("clear", "--config", conf, "--yes")
+    assert code == 0 and "removed 2 block(s)" in out, out
+    assert objects() == {k: v for k, v in before.items() if k not in (key(1), key(2))}
 
 
 def test_s3_errors_name_the_key(moto: MotoServer, tmp_path: Path) -> None:
@@ -129,10 +165,20 @@ def test_nfs_through_the_built_in_client(nfs: NfsServer, tmp_path: Path) -> None
     with nfs.in_netns():
         code, out = run("verify", "--config", conf)
         assert code == 1 and f"corrupt {h}" in out, out
-        code, out = run("gc", "--config", conf)
-        assert code == 0 and "removed 1 temporary file(s)" in out, out
-        assert "1 corrupt block(s)" in out, out
+        code, out = run("gc", "--config", conf, "--dry-run")
+        assert code == 0 and "nothing was removed" in out, out
+        assert path.exists() and old.exists()
+        code, out = run("gc", "--config", conf, "--yes")
+        assert code == 0 and "removed 1 corrupt block(s)" in out, out
+        assert "1 abandoned temporary file(s)" in out, out
         assert not path.exists() and not old.exists() and fresh.exists()
+    # A user's file at a block's name stays.
+    h9 = bid(9).hex()
+    stranger = root / h9[:2] / h9
+    stranger.write_bytes(os.urandom(3000))
+    with nfs.in_netns():
         code, out = run("clear", "--config", conf, "--yes")
         assert code == 0 and "removed 2 block(s)" in out, out
-        assert "blocks     0" in run("info", "--config", conf)[1]
+        assert f"leaving {nfs.url('cli')}/{h9[:2]}/{h9}: not a ucm block file" in out, out
+        assert "blocks     1" in run("info", "--config", conf)[1]
+    assert stranger.exists() and fresh.exists()

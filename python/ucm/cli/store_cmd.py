@@ -5,16 +5,22 @@ file (``--config``): a connector config (``ucm_connectors: ...``, as given
 to vLLM) or a flat store config (``store_pipeline: ...``). Its persistent
 stage (the one below any ``Cache``) is what these commands read: a Posix
 directory, the objects under an S3 prefix, or an NFS export (through the
-built-in client or a kernel mount). They work
-beside running engines: a live engine's work files are never touched, and a
-block removed under it only costs it a miss.
+built-in client or a kernel mount). They work beside running engines: a
+live engine's work files are never touched, and a block removed under it
+only costs it a miss.
+
+Only what ucm wrote is ever removed, and only from a store (see the group's
+help): the native side checks every file right before removing it; this
+module shows the plan, asks, and runs the long jobs (on every core, without
+the GIL) behind a progress bar.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +29,40 @@ from tqdm import tqdm
 
 from ucm import _native
 from ucm.shared.config import ConfigError, load_yaml
+from ucm.store.config import stage_schemas
 
 #: Age buckets of ``ucm store info``: (upper bound in seconds, label).
 AGES = ((3600, "< 1 hour"), (86400, "< 1 day"), (7 * 86400, "< 1 week"), (30 * 86400, "< 30 days"))
+#: Paths of each kind shown before asking; ``--dry-run`` lists every one.
+SHOWN = 5
+#: What the items of each kind of a removal plan are, counted.
+KINDS = {
+    "block": "block file(s)",
+    "corrupt": "corrupt block file(s)",
+    "work": "work director(ies) of stopped stores",
+    "temp": "temporary file(s) their writers abandoned",
+}
+
+Say = Callable[[str], None]
 
 
 def persistent_stage(values: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
     """The lowest stage of a flat store config and its keys."""
     pipeline = str(values.get("store_pipeline", "Posix"))
     stage = pipeline.split("|")[-1].strip()
-    if stage not in ("Posix", "S3", "Ds3fs", "DS3FS", "NFS"):
+    schemas = stage_schemas()
+    if stage not in schemas or not schemas[stage].maintainable:
+        readable = [s.name for s in dict.fromkeys(schemas.values()) if s.maintainable]
         raise ConfigError(
             f"store_pipeline ({source}): {pipeline!r} keeps its blocks in {stage!r}, which "
-            "ucm store can't read (Posix, S3 and NFS stages only)"
+            f"ucm store can't read ({in_words(readable)} stages only)"
         )
     return stage, values
+
+
+def in_words(names: list[str]) -> str:
+    """``["A", "B", "C"]`` as "A, B and C"."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def from_config_file(path: Path) -> tuple[str, dict[str, Any]]:
@@ -51,7 +76,7 @@ def from_config_file(path: Path) -> tuple[str, dict[str, Any]]:
 
 
 class Target:
-    """The store the command works on."""
+    """The store the command works on (a directory that is not one is refused)."""
 
     def __init__(self, config: str | None, directory: str | None) -> None:
         if (config is None) == (directory is None):
@@ -65,25 +90,72 @@ class Target:
         except Exception as e:  # a config or store error: the message says it all
             raise click.ClickException(str(e)) from None
 
-    def blocks(self) -> list[tuple[bytes, int, float]]:
-        return list(self.maint.blocks())
+    def identity(self) -> list[dict[str, Any]]:
+        """How each root was recognised as a store."""
+        out = []
+        for path, how, n in self.maint.identity():
+            entry: dict[str, Any] = {"path": path, "marker": None}
+            if how == "marked":
+                entry["marker"] = f"format {n}"
+            elif how == "adoptable":
+                entry["sampled_blocks"] = n
+            else:
+                entry["checked"] = "per object"
+            out.append(entry)
+        return out
 
-    def verify_all(self, desc: str) -> Iterator[tuple[bytes, Exception]]:
-        """(id, error) of every block that fails verification."""
-        for bid, _, _ in tqdm(self.blocks(), desc=desc, unit="block", file=sys.stderr):
-            try:
-                self.maint.verify(bid)
-            except FileNotFoundError:
-                continue  # removed meanwhile (evicted by an engine)
-            except Exception as e:
-                if type(e).__name__ == "BlockNotFoundError":
-                    continue
-                yield bid, e
+    def about(self) -> dict[str, Any]:
+        return {"stage": self.stage, "location": self.maint.location, "roots": self.identity()}
+
+
+def marker_line(root: dict[str, Any]) -> str:
+    if root["marker"]:
+        return root["marker"]
+    if "sampled_blocks" in root:
+        return (
+            f"none at {root['path']}: its {root['sampled_blocks']} sampled block file(s) are "
+            "ucm blocks; the first command that removes something marks it"
+        )
+    return "none: each object is checked to be a ucm block before it is removed"
+
+
+def run_job(job: Any) -> Any:
+    """Waits for a native job, its progress on stderr (a terminal's); Ctrl-C
+    stops it at its next block."""
+    bar: tqdm | None = None
+    phase = None
+    try:
+        while True:
+            finished = job.wait(0.1)
+            if job.phase != phase:
+                if bar is not None:
+                    bar.close()
+                phase = job.phase
+                unit = "item" if phase == "removing" else "block"
+                bar = tqdm(desc=phase, total=job.total, unit=unit, file=sys.stderr, disable=None)
+            assert bar is not None
+            if bar.total is None and job.total is not None:
+                bar.total = job.total
+                bar.refresh()
+            bar.update(job.done - bar.n)
+            if finished:
+                break
+    except BaseException:
+        job.cancel()
+        job.wait(10.0)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return job.result()
 
 
 def where(f: Any) -> Any:
     f = click.option(
-        "--dir", "directory", type=click.Path(file_okay=False), help="A Posix store's directory."
+        "--dir",
+        "directory",
+        type=click.Path(file_okay=False),
+        help="A Posix store's directory (recognised as a store: see `ucm store --help`).",
     )(f)
     return click.option(
         "--config",
@@ -93,36 +165,108 @@ def where(f: Any) -> Any:
     )(f)
 
 
+def removing(f: Any) -> Any:
+    f = click.option("--yes", is_flag=True, help="Remove without asking.")(f)
+    return click.option(
+        "--dry-run", is_flag=True, help="List what would be removed and what left; remove nothing."
+    )(f)
+
+
+def output_format(f: Any) -> Any:
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(["text", "json"]),
+        default="text",
+        show_default=True,
+        help="json: one JSON document on stdout (progress and questions on stderr).",
+    )(f)
+
+
 @click.group()
 def store() -> None:
-    """Inspect and clean a store: info, ls, verify, gc, clear."""
+    """Inspect and clean a store: info, ls, verify, gc, clear.
+
+    Only what ucm wrote is ever removed. A block goes only after its file
+    (or object) was read and its first header found to name that block; a
+    stopped store's work files go only by the names stores give them. Links,
+    FIFOs, users' files and copies at block names are listed and left alone;
+    a block directory that is a link is never followed.
+
+    A directory is a store when it carries the marker stores write
+    (.ucm-store). One without it (written before the marker existed) is
+    accepted when the block files sampled from it, the first of each block
+    directory up to 64, are all ucm blocks; the first command that removes
+    something then marks it. Any other directory is refused, naming it. An S3
+    prefix, or an export reached by the built-in NFS client, needs no marker:
+    nothing is removed there but what sits at block keys, each checked, and
+    writers' abandoned temporaries.
+
+    Commands that remove (clear, gc, verify --remove) list what they will
+    remove and ask first: --yes does not ask, and with no terminal to ask
+    on they refuse without it; --dry-run lists what would go and removes
+    nothing.
+    """
 
 
 @store.command()
 @where
-def info(config: str | None, directory: str | None) -> None:
-    """Blocks, bytes, capacity and the age of the blocks."""
+@click.option(
+    "--ages",
+    is_flag=True,
+    help="Also read every block's size and age (one stat per block, on every core). "
+    "Without it a Posix store's bytes are estimated from the size of one block per "
+    "block directory, and the ages are not read.",
+)
+@output_format
+def info(config: str | None, directory: str | None, ages: bool, fmt: str) -> None:
+    """Blocks, bytes, capacity and (with --ages) the age of the blocks."""
     t = Target(config, directory)
-    blocks = t.blocks()
-    total = sum(b for _, b, _ in blocks)
-    click.echo(f"store      {t.stage} at {t.maint.location}")
-    click.echo(f"blocks     {len(blocks)}")
-    click.echo(f"bytes      {total} ({total / (1 << 30):.3f} GiB)")
+    try:
+        s = t.maint.summary(ages, [float(lim) for lim, _ in AGES])
+    except Exception as e:
+        raise click.ClickException(str(e)) from None
     cap = t.values.get("posix_capacity_gb")
-    if cap:
+    cap_bytes = int(float(cap) * (1 << 30)) if cap else None
+    counts = s["ages"]
+    age_labels = [label for _, label in AGES] + ["older"]
+    doc = {
+        **t.about(),
+        "blocks": s["blocks"],
+        "bytes": s["bytes"],
+        "estimated_bytes": s["estimated_bytes"],
+        "sized_blocks": s["sized"],
+        "capacity_bytes": cap_bytes,
+        "ages": dict(zip(age_labels, counts, strict=True)) if counts is not None else None,
+        "not_blocks": [{"path": p, "reason": r} for p, r in s["odd"]],
+    }
+    if fmt == "json":
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"store      {t.stage} at {t.maint.location}")
+    for root in doc["roots"]:
+        click.echo(f"marker     {marker_line(root)}")
+    click.echo(f"blocks     {s['blocks']}")
+    total = s["bytes"] if s["bytes"] is not None else s["estimated_bytes"] or 0
+    if s["bytes"] is not None:
+        click.echo(f"bytes      {total} ({total / (1 << 30):.3f} GiB)")
+    else:
         click.echo(
-            f"capacity   {float(cap):.3f} GiB ({100 * total / (float(cap) * (1 << 30)):.1f} % used)"
+            f"bytes      ~{total} ({total / (1 << 30):.3f} GiB, from the sizes of "
+            f"{s['sized']} block(s); --ages reads them all)"
         )
+    if cap_bytes:
+        click.echo(f"capacity   {float(cap):.3f} GiB ({100 * total / cap_bytes:.1f} % used)")
     else:
         click.echo("capacity   unbounded")
-    now = time.time()
-    counts = [0] * (len(AGES) + 1)
-    for _, _, mtime in blocks:
-        age = now - mtime
-        counts[next((i for i, (lim, _) in enumerate(AGES) if age < lim), len(AGES))] += 1
-    click.echo("ages")
-    for (_, label), n in zip((*AGES, (0, "older")), counts, strict=True):
-        click.echo(f"  {label:<10} {n}")
+    if counts is None:
+        click.echo("ages       not read (--ages reads them: one stat per block)")
+    else:
+        click.echo("ages")
+        for label, n in zip(age_labels, counts, strict=True):
+            click.echo(f"  {label:<10} {n}")
+    for path, reason in s["odd"]:
+        click.echo(f"not a block: {path}: {reason}")
 
 
 @store.command(name="ls")
@@ -132,60 +276,167 @@ def ls_(config: str | None, directory: str | None, limit: int | None) -> None:
     """Every block: id, bytes, age (newest first)."""
     t = Target(config, directory)
     now = time.time()
-    rows = sorted(t.blocks(), key=lambda b: -b[2])
+    rows = sorted(t.maint.blocks(), key=lambda b: -b[2])
     for bid, size, mtime in rows[:limit]:
         click.echo(f"{bid.hex()}  {size:>12}  {now - mtime:10.0f} s")
 
 
+def describe(kind: str, files: int, detail: str) -> str:
+    """Why an item of a plan goes."""
+    return {
+        "block": "block file",
+        "corrupt": f"corrupt: {detail}",
+        "work": f"work directory of a stopped store, {files} file(s) it wrote",
+        "temp": "temporary file its writer abandoned",
+    }.get(kind, kind)
+
+
+def carry_out(t: Target, plan: Any, dry_run: bool, yes: bool, say: Say) -> dict[str, Any] | None:
+    """Shows `plan`, asks (unless `yes`) and carries it out; with `dry_run`
+    lists it and removes nothing. What was removed (None: nothing was)."""
+    items, kept = plan.items(), plan.kept()
+    adopting = [r["path"] for r in t.identity() if "sampled_blocks" in r]
+    total = sum(size for _, size, _, _, _ in items)
+    if dry_run:
+        for label, _, kind, files, detail in items:
+            say(f"would remove {label} ({describe(kind, files, detail)})")
+        for label, why in kept:
+            say(f"would leave {label}: {why}")
+        for root in adopting:
+            say(f"would mark {root} as a ucm store")
+        say(f"dry run: {len(items)} item(s), {total} bytes would be removed; nothing was removed")
+        return None
+    for label, why in kept:
+        say(f"leaving {label}: {why}")
+    if not items:
+        say("nothing to remove")
+        return None
+    say(f"about to remove from {t.maint.location} ({total} bytes):")
+    by_kind: dict[str, list[tuple[str, int, str]]] = {}
+    for label, _, kind, files, detail in items:
+        by_kind.setdefault(kind, []).append((label, files, detail))
+    for kind, group in by_kind.items():
+        say(f"  {len(group)} {KINDS.get(kind, kind)}")
+        for label, files, detail in group[:SHOWN]:
+            say(f"    {label}" + (f" ({describe(kind, files, detail)})" if kind != "block" else ""))
+        if len(group) > SHOWN:
+            say(f"    ... and {len(group) - SHOWN} more (--dry-run lists every one)")
+    for root in adopting:
+        say(f"  and mark {root} as a ucm store (its sampled block files are ucm blocks)")
+    if not yes:
+        if not sys.stdin.isatty():
+            raise click.ClickException(
+                "nothing was removed: there is no terminal to ask on; give --yes to remove "
+                "without asking (--dry-run lists what would go)"
+            )
+        click.confirm("remove them?", abort=True, err=True)
+    try:
+        outcome: dict[str, Any] = run_job(t.maint.start_execute(plan))
+    except Exception as e:
+        raise click.ClickException(str(e)) from None
+    for root in outcome["marked"]:
+        say(f"marked {root} as a ucm store")
+    for label, why in outcome["kept"]:
+        say(f"left {label}: {why}")
+    for label, err in outcome["failed"]:
+        say(f"could not remove {label}: {err}")
+    return outcome
+
+
+def removed(outcome: dict[str, Any] | None, kind: str) -> tuple[int, int, int]:
+    """(items, files, bytes) of `kind` an outcome removed."""
+    if outcome is None:
+        return (0, 0, 0)
+    items, files, size = outcome["removed"].get(kind, (0, 0, 0))
+    return int(items), int(files), int(size)
+
+
+def plan_of(job: Any) -> Any:
+    try:
+        return run_job(job)
+    except Exception as e:
+        raise click.ClickException(str(e)) from None
+
+
 @store.command()
 @where
-@click.option("--remove", is_flag=True, help="Remove the blocks that fail.")
-def verify(config: str | None, directory: str | None, remove: bool) -> None:
-    """Read every block and check every shard's header and checksum.
+@click.option(
+    "--remove",
+    is_flag=True,
+    help="Remove the corrupt blocks (each checked to be a ucm block file first; asks).",
+)
+@removing
+@output_format
+def verify(
+    config: str | None, directory: str | None, remove: bool, dry_run: bool, yes: bool, fmt: str
+) -> None:
+    """Read every block and check every shard's header and checksum, on every
+    core, with a progress bar.
 
-    Exits 1 when some block fails."""
+    Exits 1 when some block fails (and was not removed)."""
+    if (dry_run or yes) and not remove:
+        raise click.UsageError("--dry-run and --yes go with --remove")
     t = Target(config, directory)
-    bad = list(t.verify_all("verifying"))
-    for bid, err in bad:
-        click.echo(f"corrupt {bid.hex()}: {err}")
-        if remove:
-            t.maint.remove(bid)
-    n = len(t.blocks()) + (len(bad) if remove else 0)
-    click.echo(
-        f"{n - len(bad)} of {n} block(s) verified, {len(bad)} corrupt"
-        + (" (removed)" if remove and bad else "")
-    )
-    if bad and not remove:
+    report = plan_of(t.maint.start_verify())
+    json_out = fmt == "json"
+    say: Say = (lambda s: click.echo(s, err=True)) if json_out else click.echo
+    failures = report["failures"]
+    if not json_out:
+        for bid, err, _ in failures:
+            click.echo(f"corrupt {bid.hex()}: {err}")
+        for path, reason in report["odd"]:
+            click.echo(f"not a block: {path}: {reason}")
+    corrupt = [(bid, err) for bid, err, is_corrupt in failures if is_corrupt]
+    outcome = None
+    if remove and corrupt:
+        plan = plan_of(t.maint.start_plan_corrupt([b for b, _ in corrupt], [e for _, e in corrupt]))
+        outcome = carry_out(t, plan, dry_run, yes, say)
+    gone = removed(outcome, "corrupt")[0]
+    n = report["blocks"] - report["vanished"]
+    if json_out:
+        doc = {
+            **t.about(),
+            "blocks": n,
+            "verified": n - len(failures),
+            "failed": [{"id": bid.hex(), "error": err, "corrupt": c} for bid, err, c in failures],
+            "removed": gone,
+            "vanished": report["vanished"],
+            "not_blocks": [{"path": p, "reason": r} for p, r in report["odd"]],
+        }
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(
+            f"{n - len(failures)} of {n} block(s) verified, {len(failures)} corrupt"
+            + (f" ({gone} removed)" if gone else "")
+        )
+    if len(failures) > gone:
         sys.exit(1)
 
 
 @store.command()
 @where
-def gc(config: str | None, directory: str | None) -> None:
-    """Remove what stopped stores left behind, and corrupt blocks."""
+@removing
+def gc(config: str | None, directory: str | None, dry_run: bool, yes: bool) -> None:
+    """Remove what stopped stores left (their work directories, abandoned
+    temporaries) and the corrupt blocks (every block verified)."""
     t = Target(config, directory)
-    report = dict(t.maint.gc())
-    bad = [bid for bid, _ in t.verify_all("checking")]
-    for bid in bad:
-        t.maint.remove(bid)
-    click.echo(
-        f"removed {report['temporaries']} temporary file(s) of stopped stores, "
-        f"{report['foreign']} non-block file(s) at block names, "
-        f"{len(bad)} corrupt block(s)"
-    )
+    outcome = carry_out(t, plan_of(t.maint.start_plan_gc()), dry_run, yes, click.echo)
+    if outcome is not None:
+        c, w, tmp = removed(outcome, "corrupt"), removed(outcome, "work"), removed(outcome, "temp")
+        click.echo(
+            f"removed {c[0]} corrupt block(s), {w[1]} file(s) in {w[0]} work "
+            f"director{'y' if w[0] == 1 else 'ies'} of stopped stores, "
+            f"{tmp[0]} abandoned temporary file(s)"
+        )
 
 
 @store.command()
 @where
-@click.option("--yes", is_flag=True, help="Do not ask.")
-def clear(config: str | None, directory: str | None, yes: bool) -> None:
-    """Remove every block."""
+@removing
+def clear(config: str | None, directory: str | None, dry_run: bool, yes: bool) -> None:
+    """Remove every block (each checked to be a ucm block file first)."""
     t = Target(config, directory)
-    blocks = t.blocks()
-    if not yes:
-        click.confirm(f"remove all {len(blocks)} block(s) at {t.maint.location}?", abort=True)
-    removed = sum(
-        bool(t.maint.remove(bid))
-        for bid, _, _ in tqdm(blocks, desc="removing", unit="block", file=sys.stderr)
-    )
-    click.echo(f"removed {removed} block(s)")
+    outcome = carry_out(t, plan_of(t.maint.start_plan_clear()), dry_run, yes, click.echo)
+    if outcome is not None:
+        n, _, size = removed(outcome, "block")
+        click.echo(f"removed {n} block(s) ({size} bytes)")
