@@ -11,6 +11,13 @@ Clients talk to it as to one vLLM OpenAI server (``/v1/completions`` and
 2. sends the original request, with those ``kv_transfer_params``, to a
    decode engine, and passes its answer (status, body, stream) back as is.
 
+The P/D fields are the proxy's alone: of a client's own ``kv_transfer_params``
+only UCM's per-request controls (``ucm_skip_load``, ``ucm_skip_save``,
+``ucm_max_load_tokens``, Cache Blend's chunk keys) reach the engines; the
+rest (``do_remote_decode``, ``ucm_blocks``, ...) is dropped, with a debug
+log. A request body nested deeper than :data:`MAX_JSON_DEPTH` is refused
+with 400.
+
 The shape is vLLM's own disaggregated-serving proxies'. Errors of an engine
 (4xx, 5xx) are passed through with their status. A prefill engine that
 cannot be reached (down, killed mid-request, slower than
@@ -34,6 +41,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ucm.integration.vllm.request_control import KEYS as REQUEST_CONTROL_KEYS
 from ucm.shared.logging import get_logger
 
 logger = get_logger(__name__)
@@ -41,6 +49,16 @@ logger = get_logger(__name__)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 # Options the prefill step must not carry: it makes one token, not a stream.
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
+#: What a client may put in ``kv_transfer_params``: UCM's per-request
+#: controls and Cache Blend's chunk keys (named here, not imported: the
+#: proxy does not load the sparse methods and torch). Everything else there
+#: is the P/D handshake between the proxy and the engines, which a client
+#: must not forge (e.g. a handover naming blocks no prefill engine saved).
+CLIENT_KV_PARAMS = frozenset((*REQUEST_CONTROL_KEYS, "ucm_blend_chunks", "ucm_blend_build"))
+#: How deeply a request body may nest (OpenAI requests nest a handful of
+#: levels; a JSON schema in ``tools`` a few dozen). Deeper bodies are refused
+#: before anything walks them recursively.
+MAX_JSON_DEPTH = 128
 # Hop-by-hop and length headers aiohttp sets itself on the way back.
 _SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
@@ -170,18 +188,29 @@ class PDProxy:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "the request body is not JSON")
+        except RecursionError:
+            # The parser recurses per level: far too deep to be a request.
+            return _error(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if _too_deep(body, MAX_JSON_DEPTH):
+            return _error(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         user_params = body.get("kv_transfer_params")
         if user_params is not None and not isinstance(user_params, dict):
             return _error(400, "kv_transfer_params must be an object")
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        body = dict(body)
+        controls = _client_controls(user_params, request_id)
+        if controls:
+            body["kv_transfer_params"] = controls
+        else:
+            body.pop("kv_transfer_params", None)
         prefill = await self._prefill(request, body, request_id)
         if isinstance(prefill, web.Response):
             return prefill  # the prefill engine's error, passed through
         decode_body = dict(body)
         if prefill is not None:
-            decode_body["kv_transfer_params"] = {**(user_params or {}), **prefill}
+            decode_body["kv_transfer_params"] = {**controls, **prefill}
         extra = {"x-ucm-prefill": "skipped"} if prefill is None else {}
         try:
             return await self._forward(self.decode, request, "POST", decode_body, request_id, extra)
@@ -192,7 +221,8 @@ class PDProxy:
         self, request: web.Request, body: dict[str, Any], request_id: str
     ) -> dict[str, Any] | web.Response | None:
         """The prefill engine's ``kv_transfer_params`` (None: no handover, the
-        decode engine computes the prompt), or its error response."""
+        decode engine computes the prompt), or its error response. ``body``
+        carries only the client's controls in ``kv_transfer_params``."""
         assert self._session is not None
         pbody = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
         pbody["kv_transfer_params"] = {
@@ -218,9 +248,10 @@ class PDProxy:
                     data = await r.read()
                     if r.status != 200:
                         return web.Response(status=r.status, body=data, content_type=r.content_type)
-                    params = json.loads(data).get("kv_transfer_params")
+                    answer = json.loads(data)
+                    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
                     return params if isinstance(params, dict) else None
-            except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
+            except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError) as e:
                 self.prefill.healthy[url] = False
                 logger.warning("prefill engine %s failed (%s); trying another", url, _why(e))
         self.fallbacks += 1
@@ -274,6 +305,41 @@ class PDProxy:
         raise _Unreachable(f"no {pool.role} engine answered ({'; '.join(errors)})")
 
 
+def _client_controls(params: dict[str, Any] | None, request_id: str) -> dict[str, Any]:
+    """The keys of a client's ``kv_transfer_params`` that may reach the
+    engines (:data:`CLIENT_KV_PARAMS`); the others are dropped."""
+    if not params:
+        return {}
+    dropped = [k for k in params if k not in CLIENT_KV_PARAMS]
+    if dropped:
+        # A client chooses these names: quoted, and a few only.
+        shown = ", ".join(repr(k)[:64] for k in dropped[:8])
+        more = f" and {len(dropped) - 8} more" if len(dropped) > 8 else ""
+        logger.debug(
+            "request %s: dropped the client's kv_transfer_params %s%s (the P/D fields are "
+            "the proxy's own)",
+            request_id,
+            shown,
+            more,
+        )
+    return {k: v for k, v in params.items() if k in CLIENT_KV_PARAMS}
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (walked
+    without recursion, so any depth the parser accepted is safe here)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+    return False
+
+
 def _headers(request: web.Request, request_id: str | None) -> dict[str, str]:
     out = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
     if request_id is not None:
@@ -305,4 +371,4 @@ def run(config: ProxyConfig) -> None:
     web.run_app(proxy.app(), host=config.host, port=config.port, print=None)
 
 
-__all__ = ["PDProxy", "Pool", "ProxyConfig", "run"]
+__all__ = ["CLIENT_KV_PARAMS", "MAX_JSON_DEPTH", "PDProxy", "Pool", "ProxyConfig", "run"]
