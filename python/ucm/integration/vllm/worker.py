@@ -25,6 +25,7 @@ they are done (:mod:`.saves`).
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import queue
 import threading
@@ -542,7 +543,27 @@ class UCMWorkerSide:
         if self._load_waiter is not None:
             self._load_q.put(None)
         if self.store is not None:
+            self._log_store_figures()
             self.store.close()
+
+    def _log_store_figures(self) -> None:
+        """Logs the store's own figures (Cache-tier hits, evictions, bytes per
+        tier...), which live in this process only: the one place an operator
+        or a benchmark reading the server's log finds them."""
+        store = self.store.opened if self.store is not None else None
+        if store is None:
+            return
+        try:
+            figures = {k: v for k, v in store.get_stats().items() if isinstance(v, int | float)}
+        except Exception as e:  # a store without figures, or one already failing
+            logger.debug("UCM store figures unavailable: %s", e)
+            return
+        if figures:
+            logger.info(
+                "UCM store figures (worker rank %d): %s",
+                self.tp_rank,
+                json.dumps(figures, sort_keys=True),
+            )
 
 
 __all__ = ["LoadObserver", "LoadsBeforeForward", "UCMWorkerSide"]
