@@ -19,7 +19,7 @@ pub use crate::config::keys::CACHE as KEYS;
 pub enum FillPolicy {
     /// As `ReadAllocate`, except that a miss read straight from a local
     /// backend into host memory is kept only on its block's second load
-    /// (see [`super::admission`]).
+    /// (see `super::admission`).
     #[default]
     ReuseAllocate,
     /// Load misses are filled into the cache; dumped blocks stay cached.

@@ -11,8 +11,8 @@
 //!   chosen by measurement, see its module docs).
 //! * [`transport`]: memcpy, or CUDA async copies on the cache's own streams
 //!   when the caller's memory is on a GPU.
-//! * [`writeback`]: what is dirty, retries with backoff, flush.
-//! * [`integrity`]: each slot's checksum, where it comes from and what a
+//! * `writeback`: what is dirty, retries with backoff, flush.
+//! * `integrity`: each slot's checksum, where it comes from and what a
 //!   slot that fails it becomes (a miss).
 //!
 //! # Read path
@@ -32,7 +32,7 @@
 //! (every slot pinned or dirty), the shard is loaded into a staging buffer
 //! instead (**bypass**). Under the default `reuse_allocate`, a block that a
 //! local backend would read straight into host memory is a bypass on its
-//! first load and kept on its second (see [`admission`]). A miss of a block
+//! first load and kept on its second (see `admission`). A miss of a block
 //! that still has dirty shards here first has that block written back
 //! (read-your-writes: a dump that found slots for only part of a block
 //! wrote the rest through, and the backend publishes the block only once
@@ -54,7 +54,7 @@
 //! finds no slot, or one being filled concurrently, is written through a
 //! staging buffer to the backend directly and its task completes only
 //! once the backend has it. A failed backend write leaves the shard dirty,
-//! counted and retried (see [`writeback`]); `flush` reports what still
+//! counted and retried (see `writeback`); `flush` reports what still
 //! fails; `close` flushes.
 //!
 //! # Threads

@@ -143,7 +143,7 @@ impl ShmObject {
     }
 
     /// Creates the object exclusively with `len` bytes, all of them
-    /// reserved ([`Self::reserve`]); `None` if it already exists.
+    /// reserved (`Self::reserve`); `None` if it already exists.
     pub fn create(&self, len: usize) -> Result<Option<OwnedFd>> {
         // SAFETY: `name` is a valid C string for the call.
         let fd = unsafe {

@@ -17,7 +17,7 @@
 //! Dumps and loads hash the shard's bytes as they move (the checksum of
 //! [`crate::store::format::layout`], which each slot carries): on the host
 //! path in the same pass as the copy, a piece at a time, each piece hashed
-//! from the CPU cache right after it is copied (see [`copy_hashing`]); on
+//! from the CPU cache right after it is copied (see `copy_hashing`); on
 //! the CUDA path from the slot's host memory once the copy is done.
 //!
 //! The runtime is found with `dlopen` (`libcudart.so`, then versioned

@@ -17,7 +17,7 @@
 //! The directory is hostile ground: another local user or a second store
 //! may have put anything at any of these names. Hence:
 //! * every directory below a root is opened one name at a time relative
-//!   to an open descriptor, never through a link ([`Tree`]), and every file
+//!   to an open descriptor, never through a link (`Tree`), and every file
 //!   operation names a file relative to its directory's descriptor: a link
 //!   at a block or work directory's name can't lead the store outside;
 //! * temporaries are created with `O_CREAT|O_EXCL|O_NOFOLLOW` (a planted

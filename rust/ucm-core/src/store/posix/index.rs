@@ -1,7 +1,7 @@
 //! The in-memory index of published blocks: presence, recency, pins.
 //!
 //! Lookups are answered from here (a hash probe, no `stat`): the table
-//! ([`super::table`]) prefetches the slots of a batch, so 10,000 ids take
+//! (`super::table`) prefetches the slots of a batch, so 10,000 ids take
 //! a fraction of a millisecond even when a million blocks are indexed.
 //! Recency is a logical clock stamped on each entry (an atomic store under
 //! the read lock, no list reshuffling), which is what the background

@@ -1,12 +1,12 @@
 //! The Posix store: one file per block on local (or mounted) file systems.
 //!
-//! * Layout and file format: [`files`] and [`layout`]; the directory is
-//!   treated as hostile ground ([`files`], [`trust`]).
+//! * Layout and file format: [`files`] and [`layout`](crate::store::format::layout); the directory is
+//!   treated as hostile ground ([`files`], `trust`).
 //! * Visibility: a block is written under a temporary name in the store
 //!   instance's work directory and renamed when all its shards are in
-//!   ([`writer`]); readers only ever open final names, so they never see a
+//!   (`writer`); readers only ever open final names, so they never see a
 //!   partial block, and a killed writer leaves only its work directory,
-//!   which the next start reclaims ([`work`]).
+//!   which the next start reclaims (`work`).
 //! * Durability (`durability`): by default the commit does not sync. A
 //!   power cut can at worst leave a published file whose pages never
 //!   reached the disk; every load verifies the shard's header and checksum,
@@ -16,7 +16,7 @@
 //!   so blocks written by other processes sharing the directory (vLLM's
 //!   workers, another engine) are found too.
 //! * Capacity: above `capacity_bytes` a background thread evicts the least
-//!   recently used unpinned blocks down to 90 % of it ([`evict`]). The
+//!   recently used unpinned blocks down to 90 % of it (`evict`). The
 //!   bytes counted are the directory's, as every store writing there
 //!   counts them together ([`usage`]), so stores sharing a directory keep
 //!   it within the smallest capacity among them.

@@ -1,7 +1,7 @@
 //! Start-up scan: rebuild the index from the block directories, remove
 //! what does not belong at a block's name, and clean up the temporary files
 //! older versions left in the block directories. (Work directories of dead
-//! instances are reclaimed by [`super::work::reclaim`].)
+//! instances are reclaimed by `super::work::reclaim`.)
 
 use std::time::{Duration, SystemTime};
 

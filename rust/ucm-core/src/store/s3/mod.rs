@@ -5,7 +5,7 @@
 //!
 //! One object per block, at `<prefix>/<2 hex>/<32 hex>` (the Posix store's
 //! relative paths, so a Posix root synced to a bucket is usable as is), and
-//! byte for byte a Posix block file ([`codec`]): shard `i` is a 4 KiB header
+//! byte for byte a Posix block file (`codec`): shard `i` is a 4 KiB header
 //! plus data at `i * stride`. Loads fetch shards with range GETs (the
 //! contiguous shards of one block in one request) and verify the header
 //! (block id, shard index, layout fingerprint) and the xxh3 checksum before a
@@ -39,7 +39,7 @@
 //!
 //! HEAD requests (presence and size: an object of another size is another
 //! layout's, not a hit), `s3_max_concurrency` at a time in id order, a
-//! prefix lookup stopping at its first miss, and a [`shared::LookupCache`]
+//! prefix lookup stopping at its first miss, and a `shared::LookupCache`
 //! of results (positive ones for `s3_lookup_cache_ttl_ms`, negative ones for
 //! `s3_negative_cache_ttl_ms`), so repeated prefix lookups of the same ids
 //! on every scheduler step cost no round trip. Blocks this store wrote are
@@ -50,7 +50,7 @@
 //! Requests are retried with exponential backoff (5xx, connection errors,
 //! timeouts of idempotent requests; `s3_retries`), each bounded by
 //! `timeout_ms`, and every task unit is also cut off at its task's deadline.
-//! A transport failure opens a [`shared::Breaker`]: for a short, growing
+//! A transport failure opens a `shared::Breaker`: for a short, growing
 //! pause lookups answer "absent" and transfers fail at once, so a dead
 //! server means recomputation, not stalls. Wrong credentials, a missing
 //! bucket or an unreachable endpoint fail `open` with a message naming the
