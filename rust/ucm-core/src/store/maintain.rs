@@ -174,13 +174,19 @@ pub trait Maintenance: Send + Sync {
     /// Where the store lives, for messages.
     fn location(&self) -> String;
 
-    /// How each root (or the object store) was recognised as a store.
-    fn identity(&self) -> Vec<(String, Identity)>;
+    /// How each root (or the object store) was recognised as a store. By
+    /// default: one location whose every object is checked on its own
+    /// (object stores, where nobody else's files sit beside ours).
+    fn identity(&self) -> Vec<(String, Identity)> {
+        vec![(self.location(), Identity::PerObject)]
+    }
 
     /// Marks every root recognised by its blocks alone
     /// ([`Identity::Adoptable`]) with the store marker, before the first
-    /// removal; the roots marked.
-    fn adopt(&self) -> Result<Vec<String>>;
+    /// removal; the roots marked. By default none: nothing to mark.
+    fn adopt(&self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
 
     /// Every block. With `detail`, each block's size and modification
     /// time (one `stat` each where the listing does not give them);

@@ -327,6 +327,16 @@ impl Dir {
         }
     }
 
+    /// True when the directory is on NFS: other hosts' changes raise no
+    /// inotify event here, and `flock` may not reach them.
+    pub fn on_nfs(&self) -> bool {
+        const NFS_SUPER_MAGIC: i64 = 0x6969;
+        // `f_type`'s type differs between architectures.
+        #[allow(clippy::unnecessary_cast)]
+        let nfs = |t: rustix::fs::StatFs| t.f_type as i64 == NFS_SUPER_MAGIC;
+        rustix::fs::fstatfs(&self.fd).is_ok_and(nfs)
+    }
+
     /// What sits at `name`, not followed.
     pub fn lstat(&self, name: impl AsRef<OsStr>) -> std::io::Result<EntryStat> {
         rustix::fs::statat(&self.fd, name.as_ref(), AtFlags::SYMLINK_NOFOLLOW)

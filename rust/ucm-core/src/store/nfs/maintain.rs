@@ -23,8 +23,8 @@ use crate::block::BlockId;
 use crate::error::{Result, UcmError};
 use crate::store::format::codec::block_key;
 use crate::store::maintain::{
-    check_header, BlockEntry, BlockVerifier, Check, Identity, ItemKind, Kept, Leftover, Listing,
-    Maintenance, Place, Removal, HEADER_READ,
+    check_header, BlockEntry, BlockVerifier, Check, ItemKind, Kept, Leftover, Listing, Maintenance,
+    Place, Removal, HEADER_READ,
 };
 use crate::store::posix::PosixMaintenance;
 
@@ -116,14 +116,6 @@ async fn inspect(b: &NfsBackend, id: &BlockId) -> Result<Check> {
 impl Maintenance for RemoteMaintenance {
     fn location(&self) -> String {
         self.store.backend().label.clone()
-    }
-
-    fn identity(&self) -> Vec<(String, Identity)> {
-        vec![(self.location(), Identity::PerObject)]
-    }
-
-    fn adopt(&self) -> Result<Vec<String>> {
-        Ok(Vec::new())
     }
 
     /// READDIRPLUS gives every file's size and time: `detail` costs nothing.

@@ -115,7 +115,7 @@ impl Listing {
                 .map(|_| std::array::from_fn(|_| Mutex::new(())))
                 .collect(),
             watch,
-            unwatchable: (0..roots).map(|i| on_nfs(tree.root(i))).collect(),
+            unwatchable: (0..roots).map(|i| tree.root(i).on_nfs()).collect(),
             handed: AtomicU64::new(0),
             reads: AtomicU64::new(0),
         }
@@ -298,15 +298,6 @@ impl Listing {
 
 fn block_id_of(name: &CStr) -> Option<BlockId> {
     BlockId::from_hex(name.to_str().ok()?)
-}
-
-/// True when `dir` is on NFS: other hosts' changes raise no event here.
-fn on_nfs(dir: &Dir) -> bool {
-    const NFS_SUPER_MAGIC: i64 = 0x6969;
-    // `f_type`'s type differs between architectures.
-    #[allow(clippy::unnecessary_cast)]
-    let nfs = |t: rustix::fs::StatFs| t.f_type as i64 == NFS_SUPER_MAGIC;
-    rustix::fs::fstatfs(dir).is_ok_and(nfs)
 }
 
 #[cfg(test)]

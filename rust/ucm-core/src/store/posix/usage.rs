@@ -77,6 +77,24 @@ struct RootUsage {
     parts: Box<[RwLock<()>; PARTS]>,
 }
 
+impl RootUsage {
+    /// A root's record with nothing counted yet by this store.
+    fn new(file: Option<File>, path: PathBuf, count_lock: Option<File>) -> Self {
+        RootUsage {
+            file,
+            path,
+            pending: AtomicI64::new(0),
+            last: AtomicU64::new(0),
+            local: Mutex::new(()),
+            own: Box::new(std::array::from_fn(|_| AtomicI64::new(0))),
+            set_to: Mutex::new(None),
+            mark_counted: AtomicBool::new(false),
+            count_lock,
+            parts: Box::new(std::array::from_fn(|_| RwLock::new(()))),
+        }
+    }
+}
+
 /// Where under a root bytes came or went: a block directory (its byte), or
 /// the work directories (spares and temporaries).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -247,18 +265,7 @@ impl Usage {
                         None
                     }
                 };
-                RootUsage {
-                    file,
-                    path: root.join(USAGE_FILE),
-                    pending: AtomicI64::new(0),
-                    last: AtomicU64::new(0),
-                    local: Mutex::new(()),
-                    own: Box::new(std::array::from_fn(|_| AtomicI64::new(0))),
-                    set_to: Mutex::new(None),
-                    mark_counted: AtomicBool::new(false),
-                    count_lock: open_count_lock(root).ok(),
-                    parts: Box::new(std::array::from_fn(|_| RwLock::new(()))),
-                }
+                RootUsage::new(file, root.join(USAGE_FILE), open_count_lock(root).ok())
             })
             .collect();
         let usage = Usage {
@@ -275,18 +282,7 @@ impl Usage {
     pub fn none(roots: usize) -> Self {
         Usage {
             roots: (0..roots)
-                .map(|_| RootUsage {
-                    file: None,
-                    path: PathBuf::new(),
-                    pending: AtomicI64::new(0),
-                    last: AtomicU64::new(0),
-                    local: Mutex::new(()),
-                    own: Box::new(std::array::from_fn(|_| AtomicI64::new(0))),
-                    set_to: Mutex::new(None),
-                    mark_counted: AtomicBool::new(false),
-                    count_lock: None,
-                    parts: Box::new(std::array::from_fn(|_| RwLock::new(()))),
-                })
+                .map(|_| RootUsage::new(None, PathBuf::new(), None))
                 .collect(),
             stale: AtomicBool::new(false),
         }

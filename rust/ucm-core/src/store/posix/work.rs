@@ -143,7 +143,7 @@ impl WorkDirs {
             roots.push(Own {
                 dir: RwLock::new(dir),
                 lock: Mutex::new(Some(lock)),
-                nfs: on_nfs(&root),
+                nfs: root.on_nfs(),
             });
             tree_roots.push(root);
         }
@@ -235,7 +235,7 @@ pub fn reclaim(
     let Ok(entries) = parent.entries() else {
         return out;
     };
-    let nfs = on_nfs(root);
+    let nfs = root.on_nfs();
     let mut seq = 0u64;
     for entry in entries {
         let name = entry.name.to_string_lossy().to_string();
@@ -314,21 +314,12 @@ fn remove_dir_files(dir: &Dir) -> usize {
 }
 
 /// True when `name` in `dir` was last modified at least `age` ago.
-fn older_than(dir: &Dir, name: &str, age: Duration) -> bool {
+pub(super) fn older_than(dir: &Dir, name: &str, age: Duration) -> bool {
     let Ok(st) = dir.lstat(name) else {
         return false;
     };
     let now = super::scan::nanos(SystemTime::now());
     now.saturating_sub(st.mtime_ns) >= age.as_nanos() as u64
-}
-
-/// True when `dir` is on NFS, where `flock` may not reach other hosts.
-fn on_nfs(dir: &Dir) -> bool {
-    const NFS_SUPER_MAGIC: i64 = 0x6969;
-    // `f_type`'s type differs between architectures.
-    #[allow(clippy::unnecessary_cast)]
-    let nfs = |t: rustix::fs::StatFs| t.f_type as i64 == NFS_SUPER_MAGIC;
-    rustix::fs::fstatfs(dir).is_ok_and(nfs)
 }
 
 #[cfg(test)]

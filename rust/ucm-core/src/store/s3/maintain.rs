@@ -22,8 +22,8 @@ use crate::block::BlockId;
 use crate::error::Result;
 use crate::store::format::codec::block_key;
 use crate::store::maintain::{
-    check_header, BlockEntry, BlockVerifier, Check, Identity, Kept, Leftover, Listing, Maintenance,
-    Removal, HEADER_READ,
+    check_header, BlockEntry, BlockVerifier, Check, Kept, Leftover, Listing, Maintenance, Removal,
+    HEADER_READ,
 };
 
 /// Requests in flight for a job over many blocks.
@@ -91,14 +91,6 @@ async fn inspect(b: &S3Backend, id: &BlockId) -> Result<Check> {
 impl Maintenance for S3Maintenance {
     fn location(&self) -> String {
         self.store.backend().location.clone()
-    }
-
-    fn identity(&self) -> Vec<(String, Identity)> {
-        vec![(self.location(), Identity::PerObject)]
-    }
-
-    fn adopt(&self) -> Result<Vec<String>> {
-        Ok(Vec::new())
     }
 
     /// One LIST gives every object's size and time: `detail` costs nothing.

@@ -16,7 +16,7 @@
 //! dead store's lock, so a store that starts meanwhile leaves it alone too.
 
 use std::fs::File;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use rustix::fs::{FileType, OFlags};
 
@@ -24,29 +24,12 @@ use super::{block_in, bucket_name, label};
 use crate::error::{Result, UcmError};
 use crate::store::maintain::{ItemKind, Kept, Leftover, Place, Removal};
 use crate::store::posix::files::{try_lock, Dir, LOCK_FILE, WORK_DIR};
-use crate::store::posix::scan::nanos;
 use crate::store::posix::tree::Tree;
-use crate::store::posix::work::{CLOSED_FILE, NFS_STALE_AFTER, SPARE_PREFIX};
+use crate::store::posix::work::{older_than, CLOSED_FILE, NFS_STALE_AFTER, SPARE_PREFIX};
 use crate::store::safe_fs::{describe_kind, DirEntry};
 
 /// Temporaries and half-made work directories this old are abandoned.
 const IDLE: Duration = Duration::from_secs(3600);
-
-/// True when `name` in `dir` was last modified at least `age` ago.
-fn older_than(dir: &Dir, name: &str, age: Duration) -> bool {
-    dir.lstat(name).is_ok_and(|st| {
-        nanos(SystemTime::now()).saturating_sub(st.mtime_ns) >= age.as_nanos() as u64
-    })
-}
-
-/// True when `dir` is on NFS, where `flock` may not reach other hosts.
-fn on_nfs(dir: &Dir) -> bool {
-    const NFS_SUPER_MAGIC: i64 = 0x6969;
-    // `f_type`'s type differs between architectures.
-    #[allow(clippy::unnecessary_cast)]
-    let nfs = |t: rustix::fs::StatFs| t.f_type as i64 == NFS_SUPER_MAGIC;
-    rustix::fs::fstatfs(dir).is_ok_and(nfs)
-}
 
 /// A store instance's token (lowercase hex).
 fn is_token(name: &str) -> bool {
@@ -124,7 +107,7 @@ pub(super) fn work_dirs(tree: &Tree) -> (Vec<Leftover>, Vec<Kept>) {
                 continue;
             }
         };
-        let nfs = on_nfs(root);
+        let nfs = root.on_nfs();
         for e in parent.entries().into_iter().flatten() {
             let name = e.name.to_string_lossy().to_string();
             let path = label(&parent.join(&e.name));
@@ -299,7 +282,7 @@ pub(super) fn remove(tree: &Tree, leftover: &Leftover) -> Result<(Removal, usize
                 }
                 None
             } else {
-                match owner(&dir, on_nfs(r)) {
+                match owner(&dir, r.on_nfs()) {
                     Owner::Gone(lock) => Some(lock),
                     Owner::Alive => {
                         return Ok((
