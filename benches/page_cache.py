@@ -66,6 +66,21 @@ def resident_bytes(fd: int, size: int) -> int:
     return min(resident * mmap.PAGESIZE, size)
 
 
+def resident_under(root: Path) -> int:
+    """Bytes of the files under ``root`` that are in the page cache."""
+    total = 0
+    for path in files_under(root):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            total += resident_bytes(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    return total
+
+
 def page_in(root: Path) -> tuple[int, int]:
     """Reads every file under ``root`` through the page cache, so the next
     reads of them come from memory. Returns (bytes of those files, bytes of

@@ -729,19 +729,9 @@ def store_figures(log: Path) -> dict[str, float]:
 
 def page_cache_bytes(root: Path) -> int:
     """Bytes of the files under ``root`` in the page cache."""
-    from page_cache import files_under, resident_bytes
+    from page_cache import resident_under
 
-    total = 0
-    for path in files_under(root):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            total += resident_bytes(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-    return total
+    return resident_under(root)
 
 
 # -- one run of one system at one point ---------------------------------------------------

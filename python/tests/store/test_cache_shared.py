@@ -233,14 +233,11 @@ SMALL_SHM = textwrap.dedent(
 ).format(path=CHILD_PATH)
 
 
-def test_a_segment_too_big_for_the_free_shm_is_refused_at_start(tmp_path: Path, uid: str) -> None:
-    """A shared segment's pages are reserved in ``/dev/shm`` when it is
-    created (a page first written into a full one would be a SIGBUS): one
-    that the free space can't hold is refused then, naming the segment and
-    the figures, instead of killing the process once the cache fills."""
+def run_with_small_shm(script: str, cfg: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` (given ``cfg`` as JSON) in a mount namespace whose
+    ``/dev/shm`` is an 8 MiB tmpfs; skips where that can't be set up."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small /dev/shm needs root")
-    cfg = shared_cfg(tmp_path, uid, cache_buffer_capacity_gb=4 / 1024)
     mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$0" "$@"'
     argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
     try:
@@ -249,12 +246,21 @@ def test_a_segment_too_big_for_the_free_shm_is_refused_at_start(tmp_path: Path, 
         pytest.skip("no unshare here")
     if probe.returncode != 0:
         pytest.skip(f"no mount namespace here: {probe.stderr.decode()[-300:]}")
-    child = subprocess.run(
-        [*argv, sys.executable, "-c", SMALL_SHM, json.dumps(cfg)],
+    return subprocess.run(
+        [*argv, sys.executable, "-c", script, json.dumps(cfg)],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_a_segment_too_big_for_the_free_shm_is_refused_at_start(tmp_path: Path, uid: str) -> None:
+    """A shared segment's pages are reserved in ``/dev/shm`` when it is
+    created (a page first written into a full one would be a SIGBUS): one
+    that the free space can't hold is refused then, naming the segment and
+    the figures, instead of killing the process once the cache fills."""
+    cfg = shared_cfg(tmp_path, uid, cache_buffer_capacity_gb=4 / 1024)
+    child = run_with_small_shm(SMALL_SHM, cfg)
     assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
     assert "REFUSED" in child.stdout, child.stdout
     assert f"/dev/shm/ucm_cache_{uid}" in child.stdout and "MiB free" in child.stdout
@@ -391,23 +397,8 @@ def test_shm_filling_up_after_start_cannot_crash_the_process(tmp_path: Path, uid
     filling ``/dev/shm`` afterwards gets the error itself, and the cache's
     later writes into its pages cannot die of SIGBUS. The start-up commit is
     off, so nothing but the reservation protects those pages."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small /dev/shm needs root")
     cfg = shared_cfg(tmp_path, uid, cache_buffer_capacity_gb=4 / 1024, cache_prefault=False)
-    mount = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$0" "$@"'
-    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
-    try:
-        probe = subprocess.run([*argv, "true"], capture_output=True, timeout=30)
-    except FileNotFoundError:
-        pytest.skip("no unshare here")
-    if probe.returncode != 0:
-        pytest.skip(f"no mount namespace here: {probe.stderr.decode()[-300:]}")
-    child = subprocess.run(
-        [*argv, sys.executable, "-c", SHM_FILLS_UP, json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    child = run_with_small_shm(SHM_FILLS_UP, cfg)
     assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
     assert "FILLER STOPPED" in child.stdout and "FILLED" in child.stdout, child.stdout
 
