@@ -3,8 +3,9 @@
 * No import cycles between modules, counting every import: at module level,
   inside functions and under ``TYPE_CHECKING``.
 * No module imports a private name (``_x``) of another module.
-* ``ucm.sparse`` knows no inference engine, and only ``ucm.testing`` itself
-  imports the test tooling.
+* ``ucm.sparse`` knows no inference engine: it imports neither vLLM nor the
+  integration and takes no vLLM config (its methods are built from
+  ``SparseModelInfo``); only ``ucm.testing`` itself imports the test tooling.
 
 Known exceptions are listed with the reason they are still there.
 """
@@ -165,6 +166,19 @@ def test_layers() -> None:
                 if any(m == "vllm" or m.startswith("vllm.") for m in mods):
                     bad.append(f"{name}:{node.lineno}: ucm.sparse must not import vLLM")
     assert not bad, "\n".join(bad)
+
+
+def test_sparse_methods_take_no_vllm_config() -> None:
+    # The vLLM integration reads its config into a SparseModelInfo; a method
+    # that took the config itself would tie ucm.sparse to one engine again.
+    bad = [
+        f"{name}:{n}"
+        for name, path in sorted(module_names().items())
+        if name == "ucm.sparse" or name.startswith("ucm.sparse.")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "vllm_config" in line.lower()
+    ]
+    assert not bad, "ucm.sparse mentions vllm_config at " + ", ".join(bad)
 
 
 #: A file longer than this says why at its top (see `test_long_files_say_why`).

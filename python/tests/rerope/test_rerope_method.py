@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -39,6 +40,8 @@ def test_config_and_factory() -> None:
         assert key in str(e.value)
     with pytest.raises(ConfigError, match="training_length"):
         ReRoPE(INFO, UcmSparseRole.WORKER, ReRoPEConfig())  # no model config to take it from
+    trained = replace(INFO, max_position_embeddings=2048)
+    assert ReRoPE(trained, UcmSparseRole.WORKER).config.training_length == 2048
     assert ReRoPEConfig().resolved(2048).training_length == 2048
     assert ReRoPEConfig(32, training_length=64).resolved(2048).training_length == 64
 

@@ -1,4 +1,5 @@
-"""UcmSparseBase defaults, the factory, config parsing and the global agent."""
+"""UcmSparseBase defaults, the factory, config parsing, the global agent and the
+model info read from a vLLM config."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from ucm.integration.vllm.sparse import state
+from ucm.integration.vllm.sparse.model_info import sparse_model_info
 from ucm.shared.config import ConfigError
 from ucm.sparse import (
     INVALID_SLOT,
@@ -73,6 +75,7 @@ def test_model_info_from_duck_typed_vllm_config() -> None:
     class MC:
         max_model_len = 4096
         dtype = torch.bfloat16
+        hf_config = type("H", (), {"max_position_embeddings": 2048})()
 
         def get_num_layers(self, pc):
             return 4
@@ -92,10 +95,13 @@ def test_model_info_from_duck_typed_vllm_config() -> None:
         cache_config = type("C", (), {"block_size": 32})()
         scheduler_config = type("S", (), {"max_num_seqs": 16})()
 
-    info = SparseModelInfo.from_vllm_config(Cfg())
+    info = sparse_model_info(Cfg())
     assert (info.block_size, info.num_layers, info.num_heads, info.num_kv_heads) == (32, 4, 32, 8)
     assert (info.head_dim, info.max_num_seqs, info.dtype) == (128, 16, torch.bfloat16)
-    assert UcmSparseBase(Cfg(), UcmSparseRole.SCHEDULER).model_info == info
+    assert (info.max_model_len, info.device, info.max_position_embeddings) == (4096, "cpu", 2048)
+    assert UcmSparseBase(info, UcmSparseRole.SCHEDULER).model_info is info
+    del MC.hf_config  # a model config without one: the trained context is unknown
+    assert sparse_model_info(Cfg()).max_position_embeddings is None
 
 
 def test_factory_builtins_and_aliases() -> None:

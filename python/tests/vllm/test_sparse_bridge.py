@@ -1,14 +1,18 @@
 """The sparse bridge's choices that need no engine: no bridge without a
-method, version and config errors at engine start, per-step request facts."""
+method, version and config errors at engine start, the method built from the
+model the vLLM config describes, per-step request facts."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from ucm.integration.vllm.sparse.bridge import create_bridge, sparse_spec
 from ucm.integration.vllm.sparse.hooks import UnsupportedVllmError
+from ucm.integration.vllm.sparse.model_info import sparse_model_info
 from ucm.integration.vllm.sparse.steps import SparseReqStep
 from ucm.shared.config import ConfigError
 from ucm.sparse.base import layer_index
@@ -32,6 +36,44 @@ def test_unsupported_vllm_is_a_clear_error_at_engine_start() -> None:
         create_bridge(None, True, cfg, None, version="0.31.2")
     with pytest.raises(UnsupportedVllmError, match=r"0\.34\.0"):
         create_bridge(None, False, cfg, None, version="0.34.0")
+
+
+def _vllm_config(max_position_embeddings: int, max_batched: int) -> Any:
+    """What the bridge reads of a ``VllmConfig`` (a stand-in: no engine)."""
+    model = SimpleNamespace(
+        max_model_len=4096,
+        dtype=torch.float16,
+        hf_config=SimpleNamespace(max_position_embeddings=max_position_embeddings),
+        get_num_layers=lambda pc: 4,
+        get_num_attention_heads=lambda pc: 8,
+        get_num_kv_heads=lambda pc: 2,
+        get_head_size=lambda: 64,
+    )
+    return SimpleNamespace(
+        model_config=model,
+        parallel_config=None,
+        cache_config=SimpleNamespace(block_size=16),
+        scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=max_batched),
+    )
+
+
+def test_the_method_is_built_from_the_model_the_vllm_config_describes() -> None:
+    vc = _vllm_config(max_position_embeddings=2048, max_batched=256)
+    cfg = _resolved({"ucm_sparse_config": {"ReRoPE": {}}})
+    worker = create_bridge(vc, False, cfg, None, version="0.32.0")
+    try:
+        assert worker.agent.model_info == worker.model_info == sparse_model_info(vc)
+        assert worker.agent.config.training_length == 2048  # the model's trained context
+    finally:
+        worker.shutdown()
+    side = SimpleNamespace(save_enabled=True)
+    cfg = _resolved({"ucm_sparse_config": {"Blend": {}}})
+    scheduler = create_bridge(vc, True, cfg, side, version="0.32.0")
+    try:
+        assert scheduler.agent.model_info == sparse_model_info(vc)
+        assert side.extension.agent is scheduler.agent and side.extension.max_batched == 256
+    finally:
+        scheduler.shutdown()
 
 
 def test_sparse_config_errors_name_the_key() -> None:

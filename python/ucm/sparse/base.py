@@ -114,10 +114,11 @@ class UcmSparseRole(enum.Enum):
 
 @dataclass(frozen=True)
 class SparseModelInfo:
-    """What a method needs to know about the model and the engine.
+    """What a method needs to know about the model and its paged KV cache.
 
-    Built from a vLLM config by :meth:`from_vllm_config` (duck-typed, no vLLM
-    import) or directly by tests and benchmarks.
+    The engine integration describes its model with it (for vLLM:
+    :func:`ucm.integration.vllm.sparse.model_info.sparse_model_info`); tests
+    and benchmarks build it directly.
     """
 
     block_size: int
@@ -129,24 +130,9 @@ class SparseModelInfo:
     max_num_seqs: int = 256
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> SparseModelInfo:
-        """Reads block size, layer and head counts from a vLLM ``VllmConfig``."""
-        mc = vllm_config.model_config
-        pc = vllm_config.parallel_config
-        device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
-        return cls(
-            block_size=int(vllm_config.cache_config.block_size),
-            num_layers=int(mc.get_num_layers(pc)),
-            num_heads=int(mc.get_num_attention_heads(pc)),
-            num_kv_heads=int(mc.get_num_kv_heads(pc)),
-            head_dim=int(mc.get_head_size()),
-            max_model_len=int(mc.max_model_len),
-            max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
-            dtype=mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.float32,
-            device=str(device or "cpu"),
-        )
+    max_position_embeddings: int | None = None
+    """The context the model was trained for (``None``: unknown); ReRoPE's
+    ``training_length`` defaults to it."""
 
 
 class LayerRows(NamedTuple):
@@ -233,20 +219,16 @@ class UcmSparseBase:
 
     def __init__(
         self,
-        vllm_config: Any,
+        model: SparseModelInfo | None,
         role: UcmSparseRole,
         config: Any = None,
     ) -> None:
-        self.vllm_config = vllm_config
+        """``model``: the model and its KV layout (``None``: unknown; a method
+        that needs it raises when it is used)."""
+        self.model_info = model
         self.role = role
         self.config = config
         self._sparse_metadata: UcmSparseMetadata | None = None
-        if isinstance(vllm_config, SparseModelInfo):
-            self.model_info: SparseModelInfo | None = vllm_config
-        elif vllm_config is None:
-            self.model_info = None
-        else:
-            self.model_info = SparseModelInfo.from_vllm_config(vllm_config)
 
     # ------------------------------------------------------------------
     # Scheduler-side hooks

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from ucm.shared.config import ConfigError, build_dataclass
 from ucm.shared.registry import LazyRegistry
-from ucm.sparse.base import UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import SparseModelInfo, UcmSparseBase, UcmSparseRole
 
 #: The connector config key that selects a method (``{NAME: {...}}``).
 SPARSE_CONFIG_KEY = "ucm_sparse_config"
@@ -76,11 +76,11 @@ class UcmSparseFactory(LazyRegistry[UcmSparseBase]):
     def create_sparse_method(
         cls,
         name: str,
-        vllm_config: Any,
+        model: SparseModelInfo | None,
         role: UcmSparseRole,
         config: Any = None,
     ) -> UcmSparseBase:
-        """Builds the method ``name`` for ``role``.
+        """Builds the method ``name`` for ``role`` on ``model`` (the model and its KV layout).
 
         ``config`` is the method's parsed config dataclass or its raw mapping
         (parsed here with the method's ``config_class``).
@@ -88,7 +88,7 @@ class UcmSparseFactory(LazyRegistry[UcmSparseBase]):
         method_cls = cls.get_class(name)
         if config is None or isinstance(config, dict):
             config = build_method_config(cls.canonical_name(name), config or {})
-        return method_cls(vllm_config, role, config)
+        return method_cls(model, role, config)
 
 
 def build_method_config(name: str, values: Mapping[str, Any]) -> Any:

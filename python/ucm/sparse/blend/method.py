@@ -25,6 +25,7 @@ import torch
 from ucm.sparse.base import (
     AttentionCall,
     LayerRows,
+    SparseModelInfo,
     SparseNeeds,
     UcmSparseBase,
     UcmSparseRole,
@@ -80,9 +81,9 @@ class Blend(UcmSparseBase):
     needs = SparseNeeds(loads_before_forward=True, row_cutting=True, chunk_reuse=True)
 
     def __init__(
-        self, vllm_config: Any, role: UcmSparseRole, config: BlendConfig | None = None
+        self, model: SparseModelInfo | None, role: UcmSparseRole, config: BlendConfig | None = None
     ) -> None:
-        super().__init__(vllm_config, role, config or BlendConfig())
+        super().__init__(model, role, config or BlendConfig())
         self.config: BlendConfig
         if self.model_info is not None:
             self.config.validate_for_model(self.model_info.num_layers)

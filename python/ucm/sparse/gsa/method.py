@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import INVALID_SLOT, SparseNeeds, UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import (
+    INVALID_SLOT,
+    SparseModelInfo,
+    SparseNeeds,
+    UcmSparseBase,
+    UcmSparseRole,
+)
 from ucm.sparse.gsa.config import GSAConfig
 from ucm.sparse.kernels import selection
 from ucm.sparse.kernels.dispatch import Impl
@@ -145,8 +151,10 @@ class GSA(UcmSparseBase):
     config_class = GSAConfig
     needs = SparseNeeds(key_codes=True)
 
-    def __init__(self, vllm_config: Any, role: UcmSparseRole, config: GSAConfig | None = None):
-        super().__init__(vllm_config, role, config or GSAConfig())
+    def __init__(
+        self, model: SparseModelInfo | None, role: UcmSparseRole, config: GSAConfig | None = None
+    ):
+        super().__init__(model, role, config or GSAConfig())
         self.impl: Impl = "auto"
         self.enabled = False
         self.code_caches: dict[int, torch.Tensor] = {}

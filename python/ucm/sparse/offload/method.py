@@ -21,7 +21,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from ucm.sparse.base import INVALID_SLOT, SparseNeeds, UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import (
+    INVALID_SLOT,
+    SparseModelInfo,
+    SparseNeeds,
+    UcmSparseBase,
+    UcmSparseRole,
+)
 from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.offload.plan import OffloadPlan, make_offload_plan
 from ucm.sparse.offload.retrieval import (
@@ -137,10 +143,12 @@ class OffloadSparseBase(UcmSparseBase):
     rounding = "floor"
     selector_class: type[OffloadSelectorBase] = OffloadSelectorBase
 
-    def __init__(self, vllm_config: Any, role: UcmSparseRole, config: Any = None) -> None:
+    def __init__(
+        self, model: SparseModelInfo | None, role: UcmSparseRole, config: Any = None
+    ) -> None:
         if config is None:
             config = self.config_class()  # type: ignore[misc]
-        super().__init__(vllm_config, role, config)
+        super().__init__(model, role, config)
         self._prompt_lens: dict[str, int] = {}
         self.selectors: dict[str, OffloadSelectorBase] = {}
         self._executor: Executor | None = None

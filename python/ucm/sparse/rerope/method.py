@@ -31,17 +31,17 @@ from typing import Any
 
 import torch
 
-from ucm.sparse.base import AttentionCall, SparseNeeds, UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import (
+    AttentionCall,
+    SparseModelInfo,
+    SparseNeeds,
+    UcmSparseBase,
+    UcmSparseRole,
+)
 from ucm.sparse.kernels import attention, keys
 from ucm.sparse.kernels.dispatch import Impl
 from ucm.sparse.kernels.views import kv_views
 from ucm.sparse.rerope.config import ReRoPEConfig
-
-
-def _max_position_embeddings(vllm_config: Any) -> int | None:
-    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    v = getattr(hf, "max_position_embeddings", None)
-    return int(v) if v else None
 
 
 class ReRoPE(UcmSparseBase):
@@ -58,12 +58,12 @@ class ReRoPE(UcmSparseBase):
         return f"|rerope=w{c.rerope_window}:l{c.training_length}:log{int(c.log_n_scaling)}"
 
     def __init__(
-        self, vllm_config: Any, role: UcmSparseRole, config: ReRoPEConfig | None = None
+        self, model: SparseModelInfo | None, role: UcmSparseRole, config: ReRoPEConfig | None = None
     ) -> None:
-        super().__init__(vllm_config, role, config or ReRoPEConfig())
+        super().__init__(model, role, config or ReRoPEConfig())
         cfg: ReRoPEConfig = self.config
         if cfg.training_length is None:
-            mpe = _max_position_embeddings(vllm_config)
+            mpe = model.max_position_embeddings if model is not None else None
             if mpe is None:
                 from ucm.shared.config import ConfigError
 

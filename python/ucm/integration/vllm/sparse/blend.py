@@ -33,7 +33,7 @@ from ucm.integration.vllm.metadata import ReqTransfer
 from ucm.integration.vllm.scheduler import SchedulerExtension
 from ucm.shared.config import ConfigError
 from ucm.shared.logging import get_logger
-from ucm.sparse.base import UcmSparseRole
+from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend.chunks import BlendMode, BlendPlan
 from ucm.sparse.blend.config import BlendConfig
 from ucm.sparse.blend.method import Blend
@@ -82,20 +82,19 @@ class BlendScheduler(SchedulerExtension):
 
     def __init__(
         self,
-        vllm_config: Any,
+        model: SparseModelInfo | None,
         config: BlendConfig,
-        max_batched: int | None = None,
+        max_batched: int,
         *,
         agent: Blend | None = None,
         hash_algo: str = "blake3",
     ) -> None:
-        """``vllm_config``: vLLM's config (or a :class:`SparseModelInfo` with
-        ``max_batched``); ``agent``: the bridge's scheduler instance of Blend
-        (default: a new one); ``hash_algo``: the connector's block id algorithm."""
-        self.agent = agent or Blend(vllm_config, UcmSparseRole.SCHEDULER, config)
+        """``model``: the model and its KV layout; ``max_batched``: the most
+        tokens a step schedules (vLLM's ``max_num_batched_tokens``);
+        ``agent``: the bridge's scheduler instance of Blend (default: a new
+        one); ``hash_algo``: the connector's block id algorithm."""
+        self.agent = agent or Blend(model, UcmSparseRole.SCHEDULER, config)
         self.hash_algo = hash_algo
-        if max_batched is None:
-            max_batched = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.max_batched = max_batched
         self._looked_up: dict[str, BlendPlan] = {}
         self._pending: dict[str, BlendPlan] = {}

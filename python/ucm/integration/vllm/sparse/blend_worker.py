@@ -52,6 +52,7 @@ import torch
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.sparse.blend import STATS, STEP_LOG, BlendReqMeta
 from ucm.integration.vllm.sparse.hooks import HookHandle, check_vllm_version, find_vllm_model
+from ucm.integration.vllm.sparse.model_info import sparse_model_info
 from ucm.integration.vllm.worker import LoadObserver
 from ucm.shared.logging import get_logger
 from ucm.sparse.base import AttentionCall, LayerRows, UcmSparseRole, layer_index
@@ -84,7 +85,7 @@ class BlendWorker(LoadObserver):
             )
         self.vllm_config = vllm_config
         self.config = config
-        self.agent = agent or Blend(vllm_config, UcmSparseRole.WORKER, config)
+        self.agent = agent or Blend(sparse_model_info(vllm_config), UcmSparseRole.WORKER, config)
         self.first_check = min(config.blend_check_layers)
         self.check_layers = set(config.blend_check_layers)
         self.handle = HookHandle("blend")

@@ -48,6 +48,7 @@ from ucm.integration.vllm.sparse.hooks import (
     install_worker_hooks,
     wrap_allocate_slots,
 )
+from ucm.integration.vllm.sparse.model_info import sparse_model_info
 from ucm.integration.vllm.sparse.offload import OffloadAllocator
 from ucm.integration.vllm.sparse.selection import SelectionDriver
 from ucm.integration.vllm.sparse.steps import SparseReqStep, SparseStepMeta
@@ -122,8 +123,9 @@ class _BridgeHalf:
         self.spec = spec
         self.side = side
         self.version = version
+        self.model_info = sparse_model_info(vllm_config)
         self.agent = UcmSparseFactory.create_sparse_method(
-            spec.name, vllm_config, self.role, spec.config
+            spec.name, self.model_info, self.role, spec.config
         )
         self.needs = type(self.agent).needs
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -170,8 +172,9 @@ class SparseSchedulerBridge(_BridgeHalf):
             from ucm.integration.vllm.sparse.blend import BlendScheduler
 
             return BlendScheduler(
-                self.vllm_config,
+                self.model_info,
                 self.spec.config,
+                int(self.vllm_config.scheduler_config.max_num_batched_tokens),
                 agent=self.agent,
                 hash_algo=ucm_config.connector.hash_algo,
             )

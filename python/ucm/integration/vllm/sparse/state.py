@@ -12,10 +12,9 @@ is given no driver checks :func:`has_ucm_sparse` first, so an engine without
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from ucm.shared.logging import get_logger
-from ucm.sparse.base import UcmSparseBase, UcmSparseRole
+from ucm.sparse.base import SparseModelInfo, UcmSparseBase, UcmSparseRole
 from ucm.sparse.config import SparseMethodSpec
 
 _LOG = get_logger("ucm.sparse")
@@ -24,9 +23,9 @@ _AGENT: UcmSparseBase | None = None
 
 
 def ensure_ucm_sparse_initialized(
-    vllm_config: Any, role: UcmSparseRole, spec: SparseMethodSpec | None
+    model: SparseModelInfo | None, role: UcmSparseRole, spec: SparseMethodSpec | None
 ) -> UcmSparseBase | None:
-    """Creates this process's agent once (no-op when ``spec`` is None)."""
+    """Creates this process's agent for ``model`` once (no-op when ``spec`` is None)."""
     global _AGENT
     if spec is None:
         return None
@@ -34,9 +33,7 @@ def ensure_ucm_sparse_initialized(
         if _AGENT is None:
             from ucm.sparse.factory import UcmSparseFactory
 
-            _AGENT = UcmSparseFactory.create_sparse_method(
-                spec.name, vllm_config, role, spec.config
-            )
+            _AGENT = UcmSparseFactory.create_sparse_method(spec.name, model, role, spec.config)
             _LOG.info("sparse method %s initialized (%s)", spec.name, role.value)
         return _AGENT
 
