@@ -2,6 +2,8 @@
 
 * :mod:`.bridge` -- the one route: the connector's bridge creates the method
   and sets up what it declares it needs;
+* :mod:`.model_info` -- vLLM's config read into the
+  :class:`~ucm.sparse.base.SparseModelInfo` a method is built from;
 * :mod:`.hooks` -- installing wrappers on this engine's objects (version
   gate, attention and allocation wrappers, undone at shutdown);
 * :mod:`.steps` -- per-step request facts sent from the scheduler to the workers;
