@@ -9,7 +9,7 @@
 
 from ucm.store.base import Task, UcmKVStoreBase
 from ucm.store.config import PipelineStoreConfig, StageConfig
-from ucm.store.errors import (
+from ucm.errors import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidParamError,

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from ucm.shared.config import as_mapping
 from ucm.shared.registry import LazyRegistry
 from ucm.store.base import UcmKVStoreBase
-from ucm.store.errors import InvalidParamError
+from ucm.errors import InvalidParamError
 
 
 class UcmConnectorFactory(LazyRegistry[UcmKVStoreBase]):
