@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python" / "test
 
 from support.store_helpers import SHARD, SHARDS, base_config
 
-from ucm.store import UcmConnectorFactory, UcmKVStoreBase
+import ucm.store
+from ucm.store import UcmKVStoreBase
 from ucm.store.config import stage_schemas
 
 EVICTION_POLICIES = next(
@@ -92,9 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         root = Path(tmp)
         data = [np.full(SHARD, i % 251, dtype=np.uint8) for i in range(SHARDS)]
-        writer = UcmConnectorFactory.create_connector(
-            "UcmPipelineStore", base_config(root, tensor_size_list=[SHARD])
-        )
+        writer = ucm.store.open(base_config(root, tensor_size_list=[SHARD]))
         for start in range(0, args.blocks, 64):
             ids = [bid(n) for n in range(start, min(args.blocks, start + 64))]
             writer.wait(
@@ -118,8 +117,7 @@ def main() -> None:
             f"{'MB/s':>8} {'p99 ms':>7}"
         )
         for fill, policy in ((f, p) for f in FILL_POLICIES for p in EVICTION_POLICIES):
-            store = UcmConnectorFactory.create_connector(
-                "UcmPipelineStore",
+            store = ucm.store.open(
                 base_config(
                     root,
                     tensor_size_list=[SHARD],

@@ -81,12 +81,10 @@ def build(root: Path, n: int) -> None:
     done = root / "built"
     if done.exists() and done.read_text() == str(n):
         return
-    from ucm.store import UcmConnectorFactory
+    import ucm.store
 
     root.mkdir(parents=True, exist_ok=True)
-    store = UcmConnectorFactory.create_connector(
-        "UcmPipelineStore", store_config(root, posix_spare_files=0)
-    )
+    store = ucm.store.open(store_config(root, posix_spare_files=0))
     batch = 10_000
     rng = np.random.default_rng(n)
     started = time.perf_counter()
@@ -118,7 +116,7 @@ CHILD = textwrap.dedent(
     import json, os, sys, time
     sys.path.insert(0, sys.argv[3])
     from index_bench import block_id, store_config
-    from ucm.store import UcmConnectorFactory
+    import ucm.store
 
     root, n, what = sys.argv[1], int(sys.argv[2]), sys.argv[4]
     ids = [block_id(i * (n // 10_000 or 1) % n) for i in range(10_000)]
@@ -132,7 +130,7 @@ CHILD = textwrap.dedent(
     extra = {"device_id": -1} if what == "lookup-only" else {"posix_capacity_gb": 1e6}
     before = rss()
     t0 = time.perf_counter()
-    store = UcmConnectorFactory.create_connector("UcmPipelineStore", store_config(root, **extra))
+    store = ucm.store.open(store_config(root, **extra))
     while not all(store.lookup(ids)):
         pass
     opened = time.perf_counter() - t0
@@ -146,9 +144,7 @@ CHILD = textwrap.dedent(
         out["blocks"] = stats["blocks"]
         out["added_bytes"] = rss() - before
         absent = [os.urandom(16) for _ in range(10_000)]
-        empty = UcmConnectorFactory.create_connector(
-            "UcmPipelineStore", {"store_pipeline": "Empty"}
-        )
+        empty = ucm.store.open({"store_pipeline": "Empty"})
 
         def median_ms(s, xs):
             times = []
@@ -191,7 +187,7 @@ def tool(root: Path, *args: str) -> float:
 
 def on_disk(parent: Path) -> list[dict[str, Any]]:
     """Bytes one block takes on disk (what `du` counts) against its data."""
-    from ucm.store import UcmConnectorFactory
+    import ucm.store
 
     rows = []
     for kib in (4, 16, 64):
@@ -207,7 +203,7 @@ def on_disk(parent: Path) -> list[dict[str, Any]]:
                     "shard_size": shard,
                     "tensor_size_list": [shard],
                 }
-                store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+                store = ucm.store.open(cfg)
                 data = np.ones((shards, shard), dtype=np.uint8)
                 bid = block_id(1)
                 store.wait(store.dump([bid] * shards, list(range(shards)), [[r] for r in data]))

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucm.store import UcmConnectorFactory
+import ucm.store
 from ucm.store.memory import Regions
 
 
@@ -74,7 +74,7 @@ def make_store(
         cfg["cache_buffer_capacity_gb"] = max(1.0, need) if shared_id else max(4.0, need)
     if shared_id:
         cfg.update(share_buffer_enable=True, share_buffer_keep=True, unique_id=shared_id)
-    return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+    return ucm.store.open(cfg)
 
 
 def ids_for(n: int) -> list[bytes]:

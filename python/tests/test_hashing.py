@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ucm import hashing
-from ucm.store.errors import InvalidParamError
+from ucm.errors import InvalidParamError
 
 _REF_PATH = pathlib.Path(__file__).with_name("ucm_reference_hash.py")
 _spec = importlib.util.spec_from_file_location("ucm_reference_hash", _REF_PATH)

@@ -13,7 +13,7 @@ def python_blocks() -> list[str]:
 
 
 def test_store_example(tmp_path: Path) -> None:
-    (block,) = [b for b in python_blocks() if 'create_connector("UcmPipelineStore"' in b]
+    (block,) = [b for b in python_blocks() if "ucm.store.open(" in b]
     assert '"/data/kvcache"' in block
     code = block.replace('"/data/kvcache"', repr(str(tmp_path)))
     namespace: dict = {}

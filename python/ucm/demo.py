@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+import ucm.store
 from ucm.hashing import block_ids
-from ucm.store import UcmConnectorFactory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     n_blocks = max(1, args.mib * (1 << 20) // block)
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="run-", dir=args.dir))
-    store = UcmConnectorFactory.create_connector(
-        "UcmPipelineStore",
+    store = ucm.store.open(
         {
             "store_pipeline": "Posix",
             "storage_backends": str(root),

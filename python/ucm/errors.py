@@ -1,7 +1,9 @@
-"""Exceptions raised by UCM.
+"""Exceptions raised by UCM: their one home.
 
-They live at the top level so that any module (and the native extension) can
-import them without pulling in a subpackage.
+They live at the top level so that any module can import them without
+pulling in a subpackage, and because the native extension looks
+:func:`error_from_code` up here by name. :mod:`ucm.store` re-exports the
+classes as part of the store API; there is no other module of errors.
 
 Every store error derives from :class:`UcmStoreError` and carries ``.code``,
 the numeric status code of the original UCM (``-1``, ``-50000 - i``). Where a

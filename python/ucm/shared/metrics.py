@@ -30,6 +30,19 @@ shows them.
 connector's stats carry (see ``ucm.integration.vllm.stats``).
 """
 
+# Why our own multi-process writer: the instruments are recorded through
+# OpenTelemetry, the documented recording API, whose Prometheus exporter is a
+# collector in the recording process's registry. Under PROMETHEUS_MULTIPROC_DIR
+# vLLM's /metrics reads a fresh registry holding only a MultiProcessCollector
+# (vllm/v1/metrics/prometheus.py, get_prometheus_registry), which reads the
+# *.db files and nothing else, so the values must be written there. The writer
+# below already is prometheus_client's multiprocess mode: its own file code
+# (MmapedDict, mmap_key) in files of our own; ours is the OTel-to-file mapping,
+# about 100 lines. prometheus_client's metric types, or the ones vLLM hands to
+# build_prom_metrics, write those files themselves only for values recorded
+# through them: adopting them means replacing OpenTelemetry as the recording
+# API (and the names and tests that pin its output), not swapping a library.
+
 from __future__ import annotations
 
 import atexit

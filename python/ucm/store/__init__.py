@@ -1,15 +1,13 @@
-"""The UCM store API: the abstract store, the factory, configs and errors.
+"""The UCM store API: :func:`open`, the abstract store, the factory of stores
+by name, configs and errors (whose home is :mod:`ucm.errors`).
 
->>> from ucm.store import UcmConnectorFactory
->>> store = UcmConnectorFactory.create_connector(
-...     "UcmPipelineStore",
+>>> import ucm.store
+>>> store = ucm.store.open(
 ...     {"store_pipeline": "Posix", "storage_backends": "/tmp/kv", "block_size": 1 << 20},
 ... )  # doctest: +SKIP
 """
 
-from ucm.store.base import Task, UcmKVStoreBase
-from ucm.store.config import PipelineStoreConfig, StageConfig
-from ucm.store.errors import (
+from ucm.errors import (
     BlockNotFoundError,
     CorruptBlockError,
     InvalidParamError,
@@ -21,7 +19,9 @@ from ucm.store.errors import (
     UcmStoreError,
     UnsupportedError,
 )
-from ucm.store.factory import UcmConnectorFactory
+from ucm.store.base import Task, UcmKVStoreBase
+from ucm.store.config import PipelineStoreConfig, StageConfig
+from ucm.store.factory import UcmConnectorFactory, open
 from ucm.store.memory import Regions
 
 __all__ = [
@@ -41,4 +41,5 @@ __all__ = [
     "UcmKVStoreBase",
     "UcmStoreError",
     "UnsupportedError",
+    "open",
 ]

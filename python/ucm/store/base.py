@@ -111,7 +111,7 @@ class UcmKVStoreBase(abc.ABC):
     @abc.abstractmethod
     def wait(self, task: Task) -> None:
         """Blocks until the task finished; raises a
-        :class:`~ucm.store.errors.UcmStoreError` subclass if it failed or
+        :class:`~ucm.errors.UcmStoreError` subclass if it failed or
         timed out. Consumes the handle: a second wait raises."""
 
     @abc.abstractmethod

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ucm.store.errors import InvalidParamError
+from ucm.errors import InvalidParamError
 
 
 def segment(obj: Any, where: str, *, writable: bool) -> tuple[int, int]:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ucm import _native
+from ucm.errors import InvalidParamError, StoreTimeoutError, TaskFailedError
 from ucm.store.config import StageConfig
-from ucm.store.errors import InvalidParamError, StoreTimeoutError, TaskFailedError
 
 _GIB = 1 << 30
 # Mooncake's client refuses a zero-sized transfer buffer, and segments

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from ucm import _native
+from ucm.errors import InvalidParamError
 from ucm.store.base import Task, UcmKVStoreBase
 from ucm.store.config import PipelineStoreConfig, StageConfig, stage_schemas
-from ucm.store.errors import InvalidParamError
 from ucm.store.memory import Regions, as_addr_matrix, pack_tensors
 
 
@@ -236,7 +236,7 @@ class UcmPipelineStore(UcmKVStoreBase):
 
     def flush(self) -> None:
         """Writes every dirty cached block to the backend; raises
-        :class:`~ucm.store.errors.TaskFailedError` naming how many could not be
+        :class:`~ucm.errors.TaskFailedError` naming how many could not be
         written (they stay dirty in the cache and are retried)."""
         self._native.flush()
 

@@ -28,6 +28,14 @@ keep engines that are down out of the rotation. Built on aiohttp (server
 and client), which vLLM already depends on.
 """
 
+# Why the routing is ours: aiohttp, the framework this already uses, does
+# everything it offers here (the server, the body limit client_max_size, one
+# pooled ClientSession, streaming through StreamResponse, json_response). It
+# has no reverse-proxy handler (hop-by-hop headers are dropped by hand,
+# _SKIP_HEADERS), no upstream pools or health checks, and Request.json() is
+# a plain json.loads with no nesting limit (MAX_JSON_DEPTH). Those and the
+# P/D routing are the 270 lines from Pool to run.
+
 from __future__ import annotations
 
 import asyncio

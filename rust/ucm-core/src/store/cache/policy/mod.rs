@@ -31,6 +31,20 @@
 //! died holding the lock, the cache re-initialises the policy and
 //! re-inserts every indexed slot ([`Policy::init`]).
 //!
+//! # Why not foyer or moka
+//!
+//! Both are in-process caches: their state is heap data reached through
+//! pointers (moka: a lock-free concurrent hash table of `Arc`'d entries;
+//! foyer: `Arc`'d records on intrusive lists of raw pointers, plus its own
+//! disk tier), valid only in the address space that allocated it, so it
+//! cannot live in a `/dev/shm` segment that several processes map at
+//! different addresses, which this cache must do. They also own the values
+//! and evict on their own (moka offers TinyLFU and LRU, foyer S3-FIFO, LRU,
+//! LFU and FIFO), telling a listener afterwards, while here the cache owns
+//! the slots and a policy may only offer candidates that the caller can
+//! refuse (pinned, dirty or being filled). All either would replace is the
+//! ordering: 475 lines (`fifo`, `list`, `lru`, `s3fifo`, `sieve`).
+//!
 //! # Which policy, by measurement
 //!
 //! `cargo bench -p ucm-core --bench cache_eviction` replays synthetic block
