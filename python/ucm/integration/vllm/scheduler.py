@@ -20,10 +20,9 @@ saves a handover request's partial last block and answers with the blocks
 it saved; a decode engine waits for those blocks before it reports its hit.
 :class:`~.handover.Handovers` holds that state; this side asks it.
 
-Over 600 lines: one class answers every scheduler-side call vLLM's
-connector interface makes, in vLLM's order; what stands on its own (the
-handover, request control, saves, stats, the store handle) is already in
-modules of its own.
+One class answers every scheduler-side call vLLM's connector interface
+makes, in vLLM's order; what stands on its own (the handover, request
+control, saves, stats, the store handle) is in modules of its own.
 """
 
 from __future__ import annotations
