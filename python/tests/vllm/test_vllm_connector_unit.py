@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from ucm.integration.vllm.config import resolve_config
+from ucm.integration.vllm.rank_keys import RankKeys, rank_keys
 from ucm.integration.vllm.scheduler import KVGeometry, UCMSchedulerSide
-from ucm.integration.vllm.transfer import rank_keys
 from ucm.integration.vllm.worker import UCMWorkerSide
 from ucm.testing import store_debug
 
@@ -373,15 +373,6 @@ def test_unusable_store_serves_without_caching(tmp_path: Path) -> None:
     a.close()
 
 
-def test_rank_keys() -> None:
-    ids = [bytes([i]) * 16 for i in range(3)]
-    assert rank_keys(ids, 0) is ids
-    r1 = rank_keys(ids, 1)
-    assert r1 == rank_keys(ids, 1) and len(set(r1) | set(ids)) == 6
-    assert all(len(k) == 16 for k in r1)
-    assert r1 != rank_keys(ids, 2)
-
-
 def test_metadata_is_picklable() -> None:
     import pickle
 
@@ -451,7 +442,7 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     toks = tokens(2 * BS, 14)
     # Rank 1 of a TP group saves its heads under its own keys ...
     a = Side(tmp_path)
-    a.worker.tp_rank = a.worker.key_rank = 1
+    a.worker.tp_rank, a.worker.rank_keys = 1, RankKeys(1)
     req = FakeRequest("r1", toks)
     a.admit(req, [0, 1])
     a.kv[:, :2] = torch.randn(L, 2, H, BS, C)
@@ -464,7 +455,7 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     a.close()
     # ... and MLA (replicated KV): only rank 0 writes, every rank reports its finish.
     b = Side(tmp_path / "mla")
-    b.worker.tp_rank, b.worker.key_rank, b.worker.is_writer = 1, 0, False
+    b.worker.tp_rank, b.worker.rank_keys, b.worker.is_writer = 1, RankKeys(0), False
     req = FakeRequest("r2", toks)
     b.admit(req, [0, 1])
     b.step(sched_output(new=[("r2", 0, 2 * BS)]))
