@@ -386,16 +386,6 @@ def test_metadata_is_picklable() -> None:
     assert np.array([1]).dtype  # numpy stays importable alongside
 
 
-def test_vllm_version_check() -> None:
-    from ucm.integration.vllm.ucm_connector import check_vllm_version
-
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.33.1+cpu")
-    for bad in ("0.31.2", "0.34.0", "1.0.0", "dev"):
-        with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x, 0\.33\.x"):
-            check_vllm_version(bad)
-
-
 def test_consumer_only_and_producer_only_roles(tmp_path: Path) -> None:
     a = Side(tmp_path)
     toks = tokens(3 * BS, 11)
