@@ -237,7 +237,7 @@ class UCMSchedulerSide:
         B = self.block_size
         local = num_computed_tokens // B
         self._lookups[request.request_id] = (local, 0)
-        self.handovers.set_tail_load(request.request_id, None)  # found by an earlier lookup
+        self.handovers.set_tail_load(request.request_id, None)  # a new lookup decides anew
         ids = self.store_keys(request)
         control = RequestControl.of(request)
         if ids is None or not self.load_enabled or control.skip_load:
