@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 from support.engines import record_reference
 
-from ucm.integration.vllm.transfer import rank_keys
+from ucm.integration.vllm.rank_keys import rank_keys
 
 BS = 32
 MAX_TOKENS = 8

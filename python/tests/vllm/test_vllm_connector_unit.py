@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from ucm.integration.vllm.config import resolve_config
+from ucm.integration.vllm.rank_keys import RankKeys, rank_keys
 from ucm.integration.vllm.scheduler import KVGeometry, UCMSchedulerSide
-from ucm.integration.vllm.transfer import rank_keys
 from ucm.integration.vllm.worker import UCMWorkerSide
 from ucm.testing import store_debug
 
@@ -373,15 +373,6 @@ def test_unusable_store_serves_without_caching(tmp_path: Path) -> None:
     a.close()
 
 
-def test_rank_keys() -> None:
-    ids = [bytes([i]) * 16 for i in range(3)]
-    assert rank_keys(ids, 0) is ids
-    r1 = rank_keys(ids, 1)
-    assert r1 == rank_keys(ids, 1) and len(set(r1) | set(ids)) == 6
-    assert all(len(k) == 16 for k in r1)
-    assert r1 != rank_keys(ids, 2)
-
-
 def test_metadata_is_picklable() -> None:
     import pickle
 
@@ -393,16 +384,6 @@ def test_metadata_is_picklable() -> None:
     m2 = pickle.loads(pickle.dumps(m))
     assert m2.requests[0].load_into == [1] and m2.has_loads and not m2.has_saves
     assert np.array([1]).dtype  # numpy stays importable alongside
-
-
-def test_vllm_version_check() -> None:
-    from ucm.integration.vllm.ucm_connector import check_vllm_version
-
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.33.1+cpu")
-    for bad in ("0.31.2", "0.34.0", "1.0.0", "dev"):
-        with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x, 0\.33\.x"):
-            check_vllm_version(bad)
 
 
 def test_consumer_only_and_producer_only_roles(tmp_path: Path) -> None:
@@ -451,7 +432,7 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     toks = tokens(2 * BS, 14)
     # Rank 1 of a TP group saves its heads under its own keys ...
     a = Side(tmp_path)
-    a.worker.tp_rank = a.worker.key_rank = 1
+    a.worker.tp_rank, a.worker.rank_keys = 1, RankKeys(1)
     req = FakeRequest("r1", toks)
     a.admit(req, [0, 1])
     a.kv[:, :2] = torch.randn(L, 2, H, BS, C)
@@ -464,7 +445,7 @@ def test_tensor_parallel_ranks_and_mla(tmp_path: Path) -> None:
     a.close()
     # ... and MLA (replicated KV): only rank 0 writes, every rank reports its finish.
     b = Side(tmp_path / "mla")
-    b.worker.tp_rank, b.worker.key_rank, b.worker.is_writer = 1, 0, False
+    b.worker.tp_rank, b.worker.rank_keys, b.worker.is_writer = 1, RankKeys(0), False
     req = FakeRequest("r2", toks)
     b.admit(req, [0, 1])
     b.step(sched_output(new=[("r2", 0, 2 * BS)]))

@@ -18,16 +18,15 @@ reports them done through ``get_finished``.
 Prefill/decode disaggregation (:mod:`.handover`): a prefill engine also
 saves a handover request's partial last block and answers with the blocks
 it saved; a decode engine waits for those blocks before it reports its hit.
+:class:`~.handover.Handovers` holds that state; this side asks it.
 
-Over 600 lines: one class answers every scheduler-side call vLLM's
-connector interface makes, in vLLM's order; what stands on its own (the
-handover, request control, saves, stats, the store handle) is already in
-modules of its own.
+One class answers every scheduler-side call vLLM's connector interface
+makes, in vLLM's order; what stands on its own (the handover, request
+control, saves, stats, the store handle) is in modules of its own.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ import numpy as np
 
 from ucm.hashing import block_ids
 from ucm.integration.vllm.config import ResolvedConfig
-from ucm.integration.vllm.handover import Handover, prompt_tail_key, wants_handover
+from ucm.integration.vllm.handover import Handovers
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.request_control import RequestControl
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
@@ -154,9 +153,6 @@ class _ReqState:
     save_extra: list[int] = field(default_factory=list)  # local blocks the store lacks
     pending_load: tuple[int, int] | None = None
     last_load: tuple[int, int] | None = None
-    handover_at: int = 0  # prefill engine: prompt tokens to hand over (0: none)
-    tail: bytes | None = None  # prefill engine: key of the prompt's partial last block
-    handover_planned: bool = False
 
 
 class UCMSchedulerSide:
@@ -184,8 +180,7 @@ class UCMSchedulerSide:
         self._reqs: dict[str, _ReqState] = {}
         self._hashes: dict[str, tuple[int, list[bytes]]] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # req -> (local_blocks, ext_blocks)
-        self._tail_loads: dict[str, bytes] = {}  # req -> key of the handed-over tail block
-        self._waits = HandoverWaits(cfg.connector.handover_timeout_s)
+        self.handovers = Handovers(geom.block_size, cfg.connector.handover_timeout_s, self.stats)
         self._reqs_with_saves: set[str] = set()
         self._kv_cache_manager: Any = None
         self._errors_reported = 0
@@ -242,12 +237,12 @@ class UCMSchedulerSide:
         B = self.block_size
         local = num_computed_tokens // B
         self._lookups[request.request_id] = (local, 0)
-        self._tail_loads.pop(request.request_id, None)
+        self.handovers.set_tail_load(request.request_id, None)  # a new lookup decides anew
         ids = self.store_keys(request)
         control = RequestControl.of(request)
         if ids is None or not self.load_enabled or control.skip_load:
             return 0, False
-        handed = self._handed_over(request, ids)
+        handed = self.handovers.expected_keys(request, ids, self.hash_namespace(request) or "")
         if local >= len(ids) and (handed is None or len(handed) == len(ids)):
             return 0, False
         store = self.store.get()
@@ -265,40 +260,21 @@ class UCMSchedulerSide:
             return ext * B, False
         try:
             ext = store.lookup_on_prefix(ids[local:]) + 1 if local < len(ids) else 0
-            tail = None
-            if handed is not None and len(handed) > len(ids) and local + ext == len(ids):
-                tail = handed[-1] if store.lookup([handed[-1]])[0] else None
+            tail = self.handovers.stored_tail(handed, ids, local + ext, store)
         except Exception as e:
             self.store.report_failure(e, "lookup")
             return 0, False
         self.store.report_success()
         ext += self._saving.prefix(ids, local + ext)
-        if handed is not None:
-            # A prefill answer may name fewer blocks than the prompt has
-            # (saves that failed are left out); a tail comes only after all.
-            has_tail = len(handed) > len(ids)
-            complete = local + ext >= min(len(handed), len(ids)) and (
-                not has_tail or tail is not None
-            )
-            waiting = None if complete else self._waits.wait(request.request_id)
-            if waiting:
-                # The prefill engine's blocks are on their way: ask again
-                # next step rather than compute the prompt.
-                return None, False
-            if waiting is False:
-                logger.warning(
-                    "request %s: the prefill engine's %d block(s) were not all in the store "
-                    "after %.1f s (found %d); computing the rest here",
-                    request.request_id,
-                    len(handed),
-                    self.cfg.connector.handover_timeout_s,
-                    local + ext + (tail is not None),
-                )
-                self.stats.add(handover_timeouts=1)
+        if handed is not None and self.handovers.keep_waiting(
+            request.request_id, handed, ids, local + ext, tail
+        ):
+            # The prefill engine's blocks are on their way: ask again next
+            # step rather than compute the prompt.
+            return None, False
         ext_tokens = ext * B
         if tail is not None:
             ext_tokens = request.num_prompt_tokens - local * B
-            self._tail_loads[request.request_id] = tail
         if local * B + ext_tokens >= request.num_tokens:
             # vLLM must compute at least one token: recompute the last one.
             ext_tokens = request.num_tokens - 1 - local * B
@@ -306,8 +282,8 @@ class UCMSchedulerSide:
         if ext_tokens <= 0 or ext_tokens < self.cfg.connector.min_hit_tokens:
             ext, ext_tokens = 0, 0
         ext = min(ext + (tail is not None), -(-ext_tokens // B))
-        if local + ext <= len(ids):
-            self._tail_loads.pop(request.request_id, None)  # capped: the tail stays out
+        # Capped to the full blocks or fewer: the tail stays out.
+        self.handovers.set_tail_load(request.request_id, tail if local + ext > len(ids) else None)
         self._lookups[request.request_id] = (local, ext)
         if ext_tokens:
             logger.debug(
@@ -318,27 +294,6 @@ class UCMSchedulerSide:
                 ext_tokens,
             )
         return ext_tokens, False
-
-    def _handed_over(self, request: Request, ids: list[bytes]) -> list[bytes] | None:
-        """Decode engine: this engine's keys of the blocks a prefill engine
-        handed over for the request (a partial last block's key last), or None."""
-        handover = Handover.of(request, self.block_size)
-        if handover is None:
-            return None
-        keys = handover.expected_keys(
-            ids,
-            request.prompt_token_ids or [],
-            self.hash_namespace(request) or "",
-            self.block_size,
-        )
-        if keys is None:
-            logger.warning(
-                "request %s: the prefill engine's blocks are not this engine's (another "
-                "model, hash_salt, hash_algo or block size?); computing the prompt here",
-                request.request_id,
-            )
-            self.stats.add(handover_mismatches=1)
-        return keys
 
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
@@ -363,11 +318,8 @@ class UCMSchedulerSide:
             save_limit=len(ids) if save else 0,
             saved_upto=local_blocks + ext_blocks,
         )
-        tail = self._tail_loads.pop(req_id, None)
-        if tail is not None and local_blocks + ext_blocks == len(ids) + 1:
-            st.keys = [*ids, tail]
-        if save and wants_handover(request):
-            self._plan_handover(request, st)
+        st.keys = self.handovers.with_tail(req_id, ids, local_blocks + ext_blocks)
+        self.handovers.plan(request, st.keys, self.hash_namespace(request) or "", save)
         if ext_blocks:
             st.pending_load = (local_blocks, local_blocks + ext_blocks)
             if self.cfg.connector.prefetch:
@@ -389,25 +341,11 @@ class UCMSchedulerSide:
                     self.store.report_failure(e, "lookup")
         if self.extension.after_alloc(req_id, num_external_tokens):
             st.save_limit, st.saved_upto, st.save_extra = 0, 0, []
-            st.handover_at, st.tail = 0, None
+            self.handovers.cancel(req_id)
         self._reqs[req_id] = st
         looked = request.num_tokens - local_blocks * B
         if looked > 0:
             self.stats.add(lookup_tokens=looked, lookup_hit_tokens=num_external_tokens)
-
-    def _plan_handover(self, request: Request, st: _ReqState) -> None:
-        """Prefill engine: the request's whole prompt is handed over, its
-        partial last block under a key of its own."""
-        B = self.block_size
-        prompt = request.num_prompt_tokens
-        full = prompt // B
-        if full > len(st.keys):
-            return
-        st.handover_at = prompt
-        if prompt % B:
-            tokens = request.prompt_token_ids or []
-            namespace = self.hash_namespace(request) or ""
-            st.tail = prompt_tail_key(st.keys, tokens, namespace, B, prompt)
 
     # -- per-step plan -----------------------------------------------------------
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -435,7 +373,7 @@ class UCMSchedulerSide:
         if upto > st.saved_upto:
             save_idx.extend(range(st.saved_upto, upto))
         payload = self.extension.has_payload(req_id)
-        handover = 0 < st.handover_at <= computed + scheduled and not st.handover_planned
+        handover = self.handovers.due(req_id, computed + scheduled)
         if load is None and not save_idx and not payload and not handover:
             return None
         vblocks = self._vllm_blocks(req_id, fallback)
@@ -457,16 +395,8 @@ class UCMSchedulerSide:
             t.save_from = [vblocks[i] for i in save_idx]
             self._reqs_with_saves.add(req_id)
             self._saving.add(t.save_keys)
-        if handover:
-            # The prompt is complete after this step: its workers wait for
-            # the request's saves, so the response names readable blocks.
-            t.handover = True
-            st.handover_planned = True
-            tail_block = st.handover_at // B
-            if st.tail is not None and tail_block < len(vblocks):
-                t.save_keys.append(st.tail)
-                t.save_from.append(vblocks[tail_block])
-                self._reqs_with_saves.add(req_id)
+        if handover and self.handovers.add_to_step(t, vblocks):
+            self._reqs_with_saves.add(req_id)
         st.save_extra = []
         st.saved_upto = max(st.saved_upto, upto)
         return t
@@ -502,12 +432,12 @@ class UCMSchedulerSide:
                 # Rebuilt by the lookup when the request is scheduled again.
                 self._reqs.pop(req_id, None)
                 self._hashes.pop(req_id, None)
+                self.handovers.cancel(req_id)
         for req_id in so.finished_req_ids:
             self._reqs.pop(req_id, None)
             self._hashes.pop(req_id, None)
             self._lookups.pop(req_id, None)
-            self._tail_loads.pop(req_id, None)
-            self._waits.forget(req_id)
+            self.handovers.forget(req_id)
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -541,48 +471,16 @@ class UCMSchedulerSide:
         st = self._reqs.pop(req_id, None)
         self._hashes.pop(req_id, None)
         self._lookups.pop(req_id, None)
-        self._tail_loads.pop(req_id, None)
-        self._waits.forget(req_id)
         params = None
-        if st is not None and st.handover_planned:
-            params = self._readable_handover(req_id, st)
+        if st is not None:
+            params = self.handovers.answer(req_id, st.keys, self.store)
+        self.handovers.forget(req_id)
         if req_id in self._reqs_with_saves:
             self._reqs_with_saves.discard(req_id)
             # Saves may still be reading these blocks: free them when every
             # worker reports the request in get_finished().
             return True, params
         return False, params
-
-    def _readable_handover(self, req_id: str, st: _ReqState) -> dict[str, Any] | None:
-        """The answer of a finished prefill request: the handed-over blocks
-        the store shows (the step waited for their saves). A save that
-        failed is left out, so the decode engine computes that part at once
-        instead of waiting for blocks that never come."""
-        B = self.block_size
-        full = st.handover_at // B
-        keys = st.keys[:full]
-        store = self.store.get()
-        found, tail = 0, None
-        if store is not None:
-            try:
-                found = store.lookup_on_prefix(keys) + 1 if keys else 0
-                if found == full and st.tail is not None and store.lookup([st.tail])[0]:
-                    tail = st.tail
-            except Exception as e:
-                self.store.report_failure(e, "lookup")
-                found, tail = 0, None
-        missing = full - found + (st.tail is not None and tail is None)
-        if missing:
-            logger.warning(
-                "request %s: %d of the prompt's handed-over block(s) are not in the store (a "
-                "save failed); the decode engine computes them",
-                req_id,
-                missing,
-            )
-            self.stats.add(handover_save_failures=1)
-        if tail is not None:
-            return Handover(full, st.handover_at % B, tail).params()
-        return Handover(found, 0, keys[found - 1]).params() if found else None
 
     def get_kv_connector_stats(self) -> UCMKVConnectorStats | None:
         data = self.stats.take()
@@ -596,33 +494,6 @@ class UCMSchedulerSide:
 
     def shutdown(self) -> None:
         self.store.close()
-
-
-class HandoverWaits:
-    """Decode engine: since when each request waits for handed-over blocks,
-    and which requests waited in vain (they compute what is missing)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._since: dict[str, float] = {}
-        self._gave_up: set[str] = set()
-
-    def wait(self, req_id: str) -> bool | None:
-        """True: wait on (ask again later); False: the wait timed out now;
-        None: it timed out before."""
-        if req_id in self._gave_up:
-            return None
-        now = time.monotonic()
-        since = self._since.setdefault(req_id, now)
-        if now - since < self.timeout_s:
-            return True
-        self._since.pop(req_id, None)
-        self._gave_up.add(req_id)
-        return False
-
-    def forget(self, req_id: str) -> None:
-        self._since.pop(req_id, None)
-        self._gave_up.discard(req_id)
 
 
 class RecentSaves:
@@ -656,7 +527,6 @@ class RecentSaves:
 
 
 __all__ = [
-    "HandoverWaits",
     "KVGeometry",
     "RecentSaves",
     "SchedulerExtension",

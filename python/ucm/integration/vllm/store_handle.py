@@ -65,6 +65,7 @@ def shared_cache_id(cfg: dict[str, Any]) -> str:
         str(cfg.get(k, ""))
         for k in ("store_pipeline", "storage_backends", "block_size", "shard_size")
     )
+    # Hashes the store's config, not a block id: a name, never a store key.
     return "vllm-" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 

@@ -16,7 +16,6 @@ checks them against and keeps alive.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,14 +26,6 @@ from ucm.store.memory import Regions
 
 if TYPE_CHECKING:
     from ucm.store import Task, UcmKVStoreBase
-
-
-def rank_keys(ids: list[bytes], rank: int) -> list[bytes]:
-    """Store keys of TP rank ``rank`` (rank 0 uses the scheduler's ids as is)."""
-    if rank == 0:
-        return ids
-    salt = b"ucm-tp-rank:" + rank.to_bytes(4, "little")
-    return [hashlib.blake2b(i + salt, digest_size=16).digest() for i in ids]
 
 
 class StoreUnusable(Exception):
@@ -301,5 +292,4 @@ __all__ = [
     "PendingLoad",
     "PendingSave",
     "StoreUnusable",
-    "rank_keys",
 ]

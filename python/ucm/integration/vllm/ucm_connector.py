@@ -13,47 +13,15 @@ of computing them. Configuration: :mod:`ucm.integration.vllm.config`.
 
 The class is a thin facade (vLLM's own connectors are built the same way):
 the scheduler half lives in :mod:`.scheduler`, the worker half in
-:mod:`.worker`. Supported: the vLLM 0.32-0.33 KV connector API, CPU and GPU
-builds.
+:mod:`.worker`. Supported: the vLLM versions :mod:`.compat` names (0.32-0.33),
+CPU and GPU builds.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
-SUPPORTED_VLLM = ((0, 32), (0, 33))
-"""vLLM minor versions whose connector API this module implements."""
-ALLOW_UNSUPPORTED_ENV = "UCM_ALLOW_UNSUPPORTED_VLLM"
-
-
-def _parse_version(v: str) -> tuple[int, int] | None:
-    parts = v.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """Raises ``RuntimeError`` unless the installed vLLM is a supported one."""
-    if version is None:
-        try:
-            import vllm
-
-            version = vllm.__version__
-        except ImportError as e:  # pragma: no cover - vLLM missing
-            raise RuntimeError("UCMConnector needs vLLM (0.32 or 0.33); it is not installed") from e
-    mm = _parse_version(version)
-    if mm in SUPPORTED_VLLM or os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
-        return
-    supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
-    raise RuntimeError(
-        f"UCMConnector supports vLLM {supported}; the installed vLLM is {version}. "
-        f"Install a supported vLLM (e.g. `pip install vllm==0.33.*`), or set "
-        f"{ALLOW_UNSUPPORTED_ENV}=1 to try anyway."
-    )
-
+from ucm.integration.vllm.compat import CONNECTOR_API, LAYER_WISE, PD_HANDOVER, check_vllm
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -63,19 +31,14 @@ try:
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError as _e:  # pragma: no cover - API moved
-    import vllm as _vllm
+    check_vllm(CONNECTOR_API)  # names the version and the missing internals
+    raise RuntimeError(f"UCMConnector: this vLLM lacks the v1 KV connector API: {_e}") from _e
 
-    check_vllm_version(getattr(_vllm, "__version__", "unknown"))
-    raise RuntimeError(
-        f"UCMConnector: this vLLM ({getattr(_vllm, '__version__', '?')}) lacks the v1 KV "
-        f"connector API: {_e}"
-    ) from _e
-
-from ucm.integration.vllm.config import resolve_config  # noqa: E402
-from ucm.integration.vllm.metadata import UCMConnectorMetadata  # noqa: E402
-from ucm.integration.vllm.scheduler import UCMSchedulerSide, kv_geometry  # noqa: E402
-from ucm.integration.vllm.stats import UCMKVConnectorStats, UCMPromMetrics  # noqa: E402
-from ucm.shared.logging import get_logger  # noqa: E402
+from ucm.integration.vllm.config import resolve_config
+from ucm.integration.vllm.metadata import UCMConnectorMetadata
+from ucm.integration.vllm.scheduler import UCMSchedulerSide, kv_geometry
+from ucm.integration.vllm.stats import UCMKVConnectorStats, UCMPromMetrics
+from ucm.shared.logging import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +67,7 @@ class UCMConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        check_vllm_version()
+        check_vllm(CONNECTOR_API, PD_HANDOVER)
         if kv_cache_config is None:
             raise RuntimeError("UCMConnector needs the kv_cache_config argument (vLLM >= 0.32)")
         super().__init__(vllm_config, role, kv_cache_config)
@@ -115,6 +78,8 @@ class UCMConnector(KVConnectorBase_V1):
             )
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.ucm_config = resolve_config(extra)
+        if self.ucm_config.connector.use_layerwise:
+            check_vllm(LAYER_WISE)
         self.geometry = kv_geometry(vllm_config, kv_cache_config, self.ucm_config)
         self._scheduler: UCMSchedulerSide | None = None
         self._worker: UCMWorkerSide | None = None
@@ -318,4 +283,4 @@ class UCMConnector(KVConnectorBase_V1):
         return UCMPromMetrics.for_engine(vllm_config, *vllm_args)
 
 
-__all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_vllm_version"]
+__all__ = ["UCMConnector"]

@@ -38,6 +38,7 @@ from typing import Any
 from ucm.integration.vllm.config import ResolvedConfig
 from ucm.integration.vllm.layout import KVLayout, build_layout
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
+from ucm.integration.vllm.rank_keys import RankKeys
 from ucm.integration.vllm.saves import SaveJob, SaveTracker
 from ucm.integration.vllm.scheduler import KVGeometry
 from ucm.integration.vllm.stats import StatsCollector, UCMKVConnectorStats
@@ -47,7 +48,6 @@ from ucm.integration.vllm.transfer import (
     KVTransfer,
     PendingLoad,
     StoreUnusable,
-    rank_keys,
 )
 from ucm.shared.logging import get_logger
 
@@ -123,7 +123,8 @@ class UCMWorkerSide:
             self.tp_rank, self.tp_size = 0, 1
         # MLA: every rank holds the same latent KV: all load rank 0's keys,
         # only rank 0 writes them.
-        self.key_rank = 0 if geom.is_mla else self.tp_rank
+        self.rank_keys = RankKeys(0 if geom.is_mla else self.tp_rank)
+        """This rank's store keys of the scheduler's block ids."""
         self.is_writer = not geom.is_mla or self.tp_rank == 0
         self.layout: KVLayout | None = None
         self.store: StoreHandle | None = None
@@ -212,13 +213,9 @@ class UCMWorkerSide:
         for t in meta.requests:
             if t.save_keys:
                 self.saves.expect(t.req_id)
-                self._save_plan.append(
-                    (t.req_id, rank_keys(t.save_keys, self.key_rank), t.save_from)
-                )
+                self._save_plan.append((t.req_id, self.rank_keys(t.save_keys), t.save_from))
             if t.load_keys:
-                self._load_reqs.append(
-                    (t.req_id, rank_keys(t.load_keys, self.key_rank), t.load_into)
-                )
+                self._load_reqs.append((t.req_id, self.rank_keys(t.load_keys), t.load_into))
         self._loads_first = self.load_observer.prepare_loads(meta)
         if self._loads_first:
             # vLLM calls start_load_kv after the forward when no request

@@ -49,9 +49,10 @@ from typing import Any
 
 import torch
 
+from ucm.integration.vllm.compat import SPARSE_HOOKS, check_vllm
 from ucm.integration.vllm.metadata import ReqTransfer, UCMConnectorMetadata
 from ucm.integration.vllm.sparse.blend import STATS, STEP_LOG, BlendReqMeta
-from ucm.integration.vllm.sparse.hooks import HookHandle, check_vllm_version, find_vllm_model
+from ucm.integration.vllm.sparse.hooks import HookHandle, find_vllm_model
 from ucm.integration.vllm.sparse.model_info import sparse_model_info
 from ucm.integration.vllm.worker import LoadObserver
 from ucm.shared.logging import get_logger
@@ -101,7 +102,7 @@ class BlendWorker(LoadObserver):
     # ------------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        check_vllm_version()
+        check_vllm(SPARSE_HOOKS)
         self.agent.initialize_kv_cache_tensors(kv_caches)
         sfc = self.vllm_config.compilation_config.static_forward_context
         self._layers = {name: layer_index(name) for name in kv_caches}

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ucm.integration.vllm.compat import SPARSE_HOOKS, check_vllm
 from ucm.integration.vllm.sparse import state
 from ucm.integration.vllm.sparse.hooks import (
     HookHandle,
-    check_vllm_version,
     install_scheduler_hooks,
     install_worker_hooks,
     wrap_allocate_slots,
@@ -88,14 +88,14 @@ def create_bridge(
     """The bridge for this connector role, or None when no sparse method is configured.
 
     ``side`` is the connector's ``UCMSchedulerSide`` or ``UCMWorkerSide``.
-    Raises :class:`~ucm.integration.vllm.sparse.hooks.UnsupportedVllmError`
+    Raises :class:`~ucm.integration.vllm.compat.UnsupportedVllmError`
     on a vLLM the hooks do not support (at engine start, not at the first
     request).
     """
     spec = sparse_spec(ucm_config)
     if spec is None:
         return None
-    check_vllm_version(version)
+    check_vllm(SPARSE_HOOKS, version=version)
     half = SparseSchedulerBridge if is_scheduler else SparseWorkerBridge
     return half(vllm_config, spec, side, ucm_config, version=version)
 

