@@ -94,6 +94,20 @@ def test_config_files_name_the_store(tmp_path: Path, shape: str) -> None:
     assert code != 0 and "Posix, S3 and NFS" in out
 
 
+def test_the_directory_is_taken_as_an_argument_too(tmp_path: Path) -> None:
+    ids = fill(tmp_path, 2)
+    code, by_option = run("info", "--dir", str(tmp_path), "--format", "json")
+    assert code == 0, by_option
+    code, by_argument = run("info", str(tmp_path), "--format", "json")
+    assert code == 0 and json.loads(by_argument) == json.loads(by_option), by_argument
+    code, out = run("ls", str(tmp_path))
+    assert code == 0 and {i.hex() for i in ids} <= set(out.split()), out
+    other = tmp_path / "elsewhere"
+    code, out = run("info", str(tmp_path), "--dir", str(other))
+    assert code == 2 and "two store directories given" in out, out
+    assert not other.exists()
+
+
 def test_json_output(tmp_path: Path) -> None:
     ids = fill(tmp_path, 3)
     code, out = run("info", "--dir", str(tmp_path), "--format", "json", "--ages")

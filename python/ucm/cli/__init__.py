@@ -8,28 +8,44 @@ codes, and prompts come with it.
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from ucm.cli.bench_cmd import bench
-from ucm.cli.config_cmd import config
-from ucm.cli.model_cmd import model
-from ucm.cli.proxy_cmd import proxy
-from ucm.cli.serve_cmd import serve
-from ucm.cli.store_cmd import store
+# Each command's module is imported only when that command runs: together
+# they pull in numpy, tqdm and the store bindings, about a second of imports
+# that `ucm store info` on a large store should not pay before its work.
+COMMANDS = {
+    "serve": "ucm.cli.serve_cmd",
+    "store": "ucm.cli.store_cmd",
+    "config": "ucm.cli.config_cmd",
+    "bench": "ucm.cli.bench_cmd",
+    "model": "ucm.cli.model_cmd",
+    "proxy": "ucm.cli.proxy_cmd",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported when first looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return None
+        command = getattr(importlib.import_module(module), cmd_name)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{module}.{cmd_name} is not a click command")
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ucm", prog_name="ucm")
 def main() -> None:
     """Unified Cache Manager: persists vLLM's KV cache in tiered storage and
     serves it back instead of recomputing it."""
 
-
-main.add_command(serve)
-main.add_command(store)
-main.add_command(config)
-main.add_command(bench)
-main.add_command(model)
-main.add_command(proxy)
 
 __all__ = ["main"]

@@ -17,19 +17,22 @@ the GIL) behind a progress bar.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from tqdm import tqdm
 
 from ucm import _native
 from ucm.shared.config import ConfigError, load_yaml
 from ucm.store.config import stage_schemas
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 #: Age buckets of ``ucm store info``: (upper bound in seconds, label).
 AGES = ((3600, "< 1 hour"), (86400, "< 1 day"), (7 * 86400, "< 1 week"), (30 * 86400, "< 30 days"))
@@ -132,6 +135,8 @@ def run_job(job: Any) -> Any:
                     bar.close()
                 phase = job.phase
                 unit = "item" if phase == "removing" else "block"
+                from tqdm import tqdm  # only for commands that show progress
+
                 bar = tqdm(desc=phase, total=job.total, unit=unit, file=sys.stderr, disable=None)
             assert bar is not None
             if bar.total is None and job.total is not None:
@@ -151,18 +156,32 @@ def run_job(job: Any) -> Any:
 
 
 def where(f: Any) -> Any:
-    f = click.option(
+    """The store a command acts on: ``DIR`` (as ``du`` or ``ls`` take it),
+    ``--dir DIR`` or ``--config FILE``."""
+
+    @functools.wraps(f)
+    def merged(*args: Any, positional_dir: str | None, directory: str | None, **kw: Any) -> Any:
+        if positional_dir and directory and Path(positional_dir) != Path(directory):
+            raise click.UsageError(
+                f"two store directories given ({positional_dir} and --dir {directory}): give one"
+            )
+        return f(*args, directory=directory or positional_dir, **kw)
+
+    merged = click.option(
         "--dir",
         "directory",
         type=click.Path(file_okay=False),
         help="A Posix store's directory (recognised as a store: see `ucm store --help`).",
-    )(f)
-    return click.option(
+    )(merged)
+    merged = click.option(
         "--config",
         "config",
         type=click.Path(exists=True, dir_okay=False),
         help="A connector or store config file (YAML).",
-    )(f)
+    )(merged)
+    return click.argument(
+        "positional_dir", required=False, metavar="[DIR]", type=click.Path(file_okay=False)
+    )(merged)
 
 
 def removing(f: Any) -> Any:
