@@ -43,6 +43,7 @@ from ucm.shared.config import (
     load_yaml,
     ranged,
 )
+from ucm.shared.env_vars import KNOWN_ENV_VARS, closest_env_var, warn_once
 from ucm.shared.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,15 +54,7 @@ DEFAULT_STORE_NAME = "UcmPipelineStore"
 # Store keys the connector derives from the model; users must not set them.
 CONNECTOR_OWNED_STORE_KEYS = ("block_size", "shard_size", "tensor_size", "tensor_size_list")
 # Environment variables with the UCM_ prefix that are not config keys.
-_NON_CONFIG_ENV = {
-    CONFIG_FILE_KEY,
-    "UCM_LOG_PATH",
-    "UCM_LOG_MAX_FILES",
-    "UCM_LOG_MAX_SIZE",
-    "UCM_ALLOW_UNSUPPORTED_VLLM",
-    "UCM_SKIP_VLLM",
-    "UCM_SKIP_APT",
-}
+_NON_CONFIG_ENV = KNOWN_ENV_VARS | {CONFIG_FILE_KEY}
 
 
 def default_storage_dir() -> str:
@@ -271,11 +264,12 @@ def _env_layer(env: Mapping[str, str], skeys: set[str]) -> _Layer:
             continue
         key = wanted.get(var[len(ENV_PREFIX) :])
         if key is None:
-            names_ = [ENV_PREFIX + w for w in wanted]
-            logger.warning(
+            meant = closest_env_var(var, [*(ENV_PREFIX + w for w in wanted), *KNOWN_ENV_VARS])
+            warn_once(
+                var,
                 "environment variable %s matches no UCM config key and is ignored%s",
                 var,
-                did_you_mean(var, names_),
+                f" (did you mean {meant!r}?)" if meant else "",
             )
             continue
         values[key] = raw
