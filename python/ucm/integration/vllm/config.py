@@ -101,6 +101,10 @@ class UcmConnectorConfig:
     """Ask the store to start reading a request's hit blocks as soon as they are
     found (page-cache read-ahead of whole block files, or a Cache-tier fill),
     so layer-wise loads find them in memory."""
+    allow_degraded: bool = False
+    """Serve without a cache when the store can't be opened at start-up (a read-only
+    directory, an unreachable server), retrying it in the background, and report it
+    (``ucm_store_degraded`` = 1). By default such a start fails with the reason."""
     store_retry_interval_s: float = ranged(1.0, 0.0, 3600.0)
     """After a store failure, first wait before trying the store again (doubles per failure)."""
     store_retry_max_s: float = ranged(30.0, 0.0, 86400.0)
