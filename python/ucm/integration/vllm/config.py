@@ -424,11 +424,12 @@ def explain_store_error(err: ConfigError, spec: StoreSpec) -> ConfigError:
 
 
 def storage_dirs(spec: StoreSpec) -> list[Path]:
-    """The storage directories named by the store config (for creating them)."""
+    """The storage directories named by the store config (for creating them):
+    one text is one directory, several are a list."""
     raw = spec.config.get("storage_backends")
     if raw is None:
         return []
-    parts = [p for p in raw.split(":") if p] if isinstance(raw, str) else [str(p) for p in raw]
+    parts = [raw] if isinstance(raw, str) else [str(p) for p in raw]
     return [Path(p).expanduser() for p in parts]
 
 
