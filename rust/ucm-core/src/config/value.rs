@@ -391,9 +391,7 @@ impl Conv<'_> {
                 let mut out = Vec::new();
                 for (i, item) in items.iter().enumerate() {
                     match item {
-                        Raw::Str(s) if s.trim().starts_with('/') => {
-                            out.push(s.trim().to_string())
-                        }
+                        Raw::Str(s) if s.trim().starts_with('/') => out.push(s.trim().to_string()),
                         Raw::Str(s) if !s.trim().is_empty() => {
                             return Err(self.item_err(i, relative_path(s.trim())))
                         }
@@ -559,7 +557,11 @@ mod tests {
             Val::List(vec!["/a:b".into()])
         );
         assert_eq!(
-            convert(&dirs, &list(&[Raw::Str("/a".into()), Raw::Str("/b".into())])).unwrap(),
+            convert(
+                &dirs,
+                &list(&[Raw::Str("/a".into()), Raw::Str("/b".into())])
+            )
+            .unwrap(),
             Val::List(vec!["/a".into(), "/b".into()])
         );
         let e = convert(&dirs, &list(&[Raw::Str("/a".into()), Raw::Str(" ".into())])).unwrap_err();
@@ -571,8 +573,16 @@ mod tests {
         assert_eq!(e.key, "dirs");
         assert!(e.reason.contains("\"b/c\" is a relative path"), "{e}");
         let cwd = std::env::current_dir().unwrap().join("b/c");
-        assert!(e.reason.contains(&format!("{:?}", cwd.display().to_string())), "{e}");
-        let e = convert(&dirs, &list(&[Raw::Str("/a".into()), Raw::Str("kv".into())])).unwrap_err();
+        assert!(
+            e.reason
+                .contains(&format!("{:?}", cwd.display().to_string())),
+            "{e}"
+        );
+        let e = convert(
+            &dirs,
+            &list(&[Raw::Str("/a".into()), Raw::Str("kv".into())]),
+        )
+        .unwrap_err();
         assert_eq!(e.key, "dirs[1]");
         assert!(e.reason.contains("relative"), "{e}");
 
