@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     block = shard * args.layers
     n_blocks = max(1, args.mib * (1 << 20) // block)
     args.dir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="run-", dir=args.dir))
+    root = Path(
+        tempfile.mkdtemp(prefix="run-", dir=args.dir)
+    ).resolve()  # stores take absolute dirs
     store = ucm.store.open(
         {
             "store_pipeline": "Posix",

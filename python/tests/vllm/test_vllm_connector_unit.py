@@ -22,6 +22,7 @@ import torch
 from ucm.integration.vllm.config import resolve_config
 from ucm.integration.vllm.rank_keys import RankKeys, rank_keys
 from ucm.integration.vllm.scheduler import KVGeometry, UCMSchedulerSide
+from ucm.integration.vllm.store_handle import StoreUnavailableError
 from ucm.integration.vllm.worker import UCMWorkerSide
 from ucm.testing import store_debug
 
@@ -355,10 +356,23 @@ def test_preemption_waits_for_saves_and_finish_is_reported_once(tmp_path: Path) 
     a.close()
 
 
+def test_a_store_that_cant_be_opened_refuses_the_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreUnavailableError) as e:
+        Side(blocker / "store")
+    msg = str(e.value)
+    assert "can't be opened" in msg and str(blocker / "store") in msg
+    assert "Fix: make" in msg and "allow_degraded: true" in msg
+
+
 def test_unusable_store_serves_without_caching(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    a = Side(blocker / "store", store_retry_interval_s=0.05, warning_interval_s=0)
+    a = Side(
+        blocker / "store", allow_degraded=True, store_retry_interval_s=0.05, warning_interval_s=0
+    )
+    assert a.sched.store.degraded and a.worker.store.degraded
     assert a.sched.store.get() is None
     req = FakeRequest("r1", tokens(3 * BS, 9))
     assert a.admit(req, [0, 1, 2]) == 0
@@ -368,8 +382,15 @@ def test_unusable_store_serves_without_caching(tmp_path: Path) -> None:
     assert stats.data["store_healthy"] == 0
     assert stats.data["save_skipped_blocks"] == 3
     assert stats.data["store_errors"] >= 1
+    assert stats.data["store_degraded"] == 1
     s = a.sched.get_kv_connector_stats()
-    assert s is not None and s.data["store_healthy"] == 0
+    assert s is not None and s.data["store_healthy"] == 0 and s.data["store_degraded"] == 1
+    # The directory becomes possible: the store opens and is no longer degraded.
+    blocker.unlink()
+    time.sleep(0.2)
+    assert a.sched.store.get() is not None and not a.sched.store.degraded
+    s = a.sched.get_kv_connector_stats()
+    assert s is not None and s.data.get("store_degraded", 0) == 0
     a.close()
 
 

@@ -49,7 +49,7 @@ def bench(directory: str, mib: int, block_kib: int, rounds: int, direct: bool) -
         tqdm(total=4 * rounds, desc="measuring", unit="run") as bar,
     ):
         for r in range(rounds):
-            root = Path(scratch) / f"round{r}"
+            root = Path(scratch).resolve() / f"round{r}"  # stores take absolute dirs
             root.mkdir()
             store = ucm.store.open(
                 {

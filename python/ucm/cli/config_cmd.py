@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from ucm.shared.config import ConfigError
+from ucm.cli.config_kind import KINDS, detect_kind
+from ucm.shared.config import ConfigError, load_yaml
 
 
 @click.group()
@@ -26,11 +27,35 @@ def config() -> None:
     default="{}",
     help="kv_connector_extra_config as JSON, as given to vLLM.",
 )
-def check(file: str | None, extra_json: str) -> None:
-    """Validate FILE (a UCM YAML config, a regular file of at most 1 MiB)
-    merged with --extra and UCM_* environment variables, as the connector
-    does at start-up, and print every key with its source. Exits 1 with the
-    connector's message on error."""
+@click.option(
+    "--kind",
+    type=click.Choice(KINDS),
+    default="auto",
+    show_default=True,
+    help="What FILE is: a connector config (for vLLM) or a store config "
+    "(for ucm.store.open); auto tells them apart by their keys.",
+)
+def check(file: str | None, extra_json: str, kind: str) -> None:
+    """Validate FILE (a UCM YAML config, a regular file of at most 1 MiB).
+
+    A connector config is merged with --extra and UCM_* environment
+    variables, as the connector does at start-up; a store config (block
+    geometry and store keys, like configs/store-posix.yaml) is checked as
+    ucm.store.open checks it. Prints every key with its source; exits 1 with
+    the message on error."""
+    if file and kind == "auto":
+        try:
+            kind = detect_kind(load_yaml(file))
+        except ConfigError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+    if kind == "store":
+        if not file:
+            raise click.UsageError("--kind store needs a FILE")
+        if extra_json != "{}":
+            raise click.UsageError("--extra is a connector option; a store config has no extras")
+        check_store_file(file)
+        return
     from ucm.integration.vllm.config_check import check_config, describe
 
     env = dict(os.environ)
@@ -50,6 +75,30 @@ def check(file: str | None, extra_json: str) -> None:
     width = max(len(k) for k, _, _ in describe(cfg))
     for key, value, source in describe(cfg):
         click.echo(f"{key:<{width}}  {value!r}  ({source})")
+    click.echo("ok")
+
+
+def check_store_file(file: str) -> None:
+    """``ucm config check`` of a store config: its stages' keys as the core
+    checks them, defaults filled in."""
+    from ucm.store.config import PipelineStoreConfig, StageConfig
+
+    try:
+        cfg = PipelineStoreConfig.from_yaml(file)
+    except ConfigError as e:
+        click.echo(f"error (store config): {e}", err=True)
+        sys.exit(1)
+    click.echo(f"store config, store_pipeline {cfg.store_pipeline!r}")
+    rows = []
+    for name, stage in cfg.stages:
+        if not isinstance(stage, StageConfig):  # a store registered from Python
+            stage = StageConfig(name, stage)
+        for key, value in stage.values.items():
+            shown = "<redacted>" if key in stage.secret and value else value
+            rows.append((f"{name}.{key}", shown))
+    width = max((len(k) for k, _ in rows), default=0)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value!r}")
     click.echo("ok")
 
 

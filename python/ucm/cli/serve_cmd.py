@@ -74,7 +74,9 @@ def build_vllm_args(
     if not _has(args, "--kv-transfer-config"):
         extra: dict[str, object] = {}
         if storage:
-            extra["storage_backends"] = storage
+            # A directory on the command line is the shell's: relative to
+            # where the user typed it (the config takes absolute paths only).
+            extra["storage_backends"] = os.path.abspath(os.path.expanduser(storage))
         if layerwise:
             extra["use_layerwise"] = True
         transfer = {**CONNECTOR, "kv_role": KV_ROLES[kv_role], "kv_connector_extra_config": extra}

@@ -3,7 +3,9 @@
 All of ucm logs under the ``ucm`` logger; the Rust core's records arrive
 there too (``ucm_core::store::posix`` becomes ``ucm_core.store.posix`` and is
 re-parented under ``ucm`` by :func:`init_logging`). ``UNIFIED_CACHE_LOG_LEVEL``
-(``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``) sets the level.
+(``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``) sets the level. A variable
+close to one of ucm's (``UCM_LOG_LEVEL``) is named in a warning, once
+(:mod:`ucm.shared.env_vars`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def init_logging() -> logging.Logger:
         for h in root.handlers:
             if getattr(h, _HANDLER_FLAG, False) and h not in core.handlers:
                 core.addHandler(h)
+    from ucm.shared.env_vars import warn_near_misses
+
+    warn_near_misses(os.environ)
     return root
 
 

@@ -14,6 +14,8 @@ Instruments (Prometheus names)::
     ucm_save_skipped_blocks_total      counter    saves skipped while the store was unusable
     ucm_store_errors_total             counter    store failures (open, I/O, full, timeout)
     ucm_store_healthy                  gauge      1 while the store is usable, else 0
+    ucm_store_degraded                 gauge      1 while serving without a store that
+                                                  couldn't be opened (allow_degraded)
     ucm_handover_timeouts_total        counter    P/D: handed-over blocks not there in time
     ucm_handover_mismatches_total      counter    P/D: handed-over blocks of another deployment
     ucm_handover_save_failures_total   counter    P/D: prefill answers leaving out failed saves
@@ -87,6 +89,8 @@ GAUGES: dict[str, str] = {
     "load_speed_gbps": "Load throughput in GB/s (last interval)",
     "save_speed_gbps": "Save throughput in GB/s (last interval)",
     "store_healthy": "1 while the store is usable, 0 while it is not",
+    "store_degraded": "1 while serving without the store it couldn't open at start-up "
+    "(allow_degraded), else 0",
 }
 PREFIX = "ucm_"
 
@@ -110,6 +114,8 @@ def derived_gauges(data: Mapping[str, Any]) -> dict[str, float]:
             out[f"{kind}_speed_gbps"] = speed
     if "store_healthy" in data:
         out["store_healthy"] = float(data["store_healthy"])
+    if "store_degraded" in data:
+        out["store_degraded"] = float(data["store_degraded"])
     return out
 
 

@@ -43,6 +43,7 @@ from ucm.shared.config import (
     load_yaml,
     ranged,
 )
+from ucm.shared.env_vars import KNOWN_ENV_VARS, closest_env_var, warn_once
 from ucm.shared.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,15 +54,7 @@ DEFAULT_STORE_NAME = "UcmPipelineStore"
 # Store keys the connector derives from the model; users must not set them.
 CONNECTOR_OWNED_STORE_KEYS = ("block_size", "shard_size", "tensor_size", "tensor_size_list")
 # Environment variables with the UCM_ prefix that are not config keys.
-_NON_CONFIG_ENV = {
-    CONFIG_FILE_KEY,
-    "UCM_LOG_PATH",
-    "UCM_LOG_MAX_FILES",
-    "UCM_LOG_MAX_SIZE",
-    "UCM_ALLOW_UNSUPPORTED_VLLM",
-    "UCM_SKIP_VLLM",
-    "UCM_SKIP_APT",
-}
+_NON_CONFIG_ENV = KNOWN_ENV_VARS | {CONFIG_FILE_KEY}
 
 
 def default_storage_dir() -> str:
@@ -108,6 +101,10 @@ class UcmConnectorConfig:
     """Ask the store to start reading a request's hit blocks as soon as they are
     found (page-cache read-ahead of whole block files, or a Cache-tier fill),
     so layer-wise loads find them in memory."""
+    allow_degraded: bool = False
+    """Serve without a cache when the store can't be opened at start-up (a read-only
+    directory, an unreachable server), retrying it in the background, and report it
+    (``ucm_store_degraded`` = 1). By default such a start fails with the reason."""
     store_retry_interval_s: float = ranged(1.0, 0.0, 3600.0)
     """After a store failure, first wait before trying the store again (doubles per failure)."""
     store_retry_max_s: float = ranged(30.0, 0.0, 86400.0)
@@ -271,11 +268,12 @@ def _env_layer(env: Mapping[str, str], skeys: set[str]) -> _Layer:
             continue
         key = wanted.get(var[len(ENV_PREFIX) :])
         if key is None:
-            names_ = [ENV_PREFIX + w for w in wanted]
-            logger.warning(
+            meant = closest_env_var(var, [*(ENV_PREFIX + w for w in wanted), *KNOWN_ENV_VARS])
+            warn_once(
+                var,
                 "environment variable %s matches no UCM config key and is ignored%s",
                 var,
-                did_you_mean(var, names_),
+                f" (did you mean {meant!r}?)" if meant else "",
             )
             continue
         values[key] = raw
@@ -426,11 +424,12 @@ def explain_store_error(err: ConfigError, spec: StoreSpec) -> ConfigError:
 
 
 def storage_dirs(spec: StoreSpec) -> list[Path]:
-    """The storage directories named by the store config (for creating them)."""
+    """The storage directories named by the store config (for creating them):
+    one text is one directory, several are a list."""
     raw = spec.config.get("storage_backends")
     if raw is None:
         return []
-    parts = [p for p in raw.split(":") if p] if isinstance(raw, str) else [str(p) for p in raw]
+    parts = [raw] if isinstance(raw, str) else [str(p) for p in raw]
     return [Path(p).expanduser() for p in parts]
 
 

@@ -23,13 +23,22 @@ PLACEHOLDER_LAYOUT = {"block_size": 1 << 16, "shard_size": 1 << 16, "tensor_size
 def check_resolved(cfg: ResolvedConfig, layout_keys: Mapping[str, Any] | None = None) -> None:
     """Checks the store and sparse parts of an already merged config; raises
     :class:`ConfigError` naming the key and its source."""
-    from ucm.sparse.config import parse_sparse_config
-
     build_store_config(cfg.store, dict(layout_keys or PLACEHOLDER_LAYOUT), device_id=0)
+    if not cfg.connector.ucm_sparse_config:
+        # The sparse methods need torch; a config without one is checked
+        # without importing them, so ``ucm config check`` runs anywhere.
+        return
+    source = cfg.sources.get("ucm_sparse_config", "config")
+    try:
+        from ucm.sparse.config import parse_sparse_config
+    except ImportError as e:
+        raise ConfigError(
+            f"ucm_sparse_config ({source}): checking a sparse method needs {e.name or 'torch'}, "
+            "which this Python can't import; install it or check the config where vLLM runs"
+        ) from None
     try:
         parse_sparse_config(cfg.connector.ucm_sparse_config)
     except ConfigError as e:
-        source = cfg.sources.get("ucm_sparse_config", "config")
         raise ConfigError(f"ucm_sparse_config ({source}): {e}") from None
 
 

@@ -195,7 +195,7 @@ class UCMSchedulerSide:
         changes the KV (set by the sparse bridge)."""
         # Open now, before any worker in this process writes: the Posix
         # store's start-up scan treats temporaries of its own PID as stale.
-        self.store.get()
+        self.store.open_at_start()
 
     # -- hashing & lookup ------------------------------------------------------
     def hash_namespace(self, request: Request) -> str | None:
@@ -490,6 +490,7 @@ class UCMSchedulerSide:
             self._errors_reported = self.store.errors
         if data or not self.store.healthy:
             data["store_healthy"] = int(self.store.healthy)
+            data["store_degraded"] = int(self.store.degraded)
         return UCMKVConnectorStats(data=data) if data else None
 
     def shutdown(self) -> None:

@@ -26,18 +26,22 @@ from ucm.shared.logging import get_logger
 LIST_KEYS = ("load_durations_ms", "save_durations_ms")
 FLOAT_KEYS = ("load_busy_ms", "save_busy_ms")
 MIN_KEYS = ("store_healthy",)
+MAX_KEYS = ("store_degraded",)
 
 logger = get_logger(__name__)
 
 
 def merge_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Sums counters, concatenates observations, takes the min of health flags."""
+    """Sums counters, concatenates observations, takes the min of health flags
+    and the max of degraded flags."""
     out = dict(a)
     for k, v in b.items():
         if k in LIST_KEYS:
             out[k] = list(out.get(k, [])) + list(v)
         elif k in MIN_KEYS:
             out[k] = min(out[k], v) if k in out else v
+        elif k in MAX_KEYS:
+            out[k] = max(out[k], v) if k in out else v
         else:
             out[k] = out.get(k, 0) + v
     return out

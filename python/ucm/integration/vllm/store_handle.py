@@ -6,6 +6,12 @@ read-only, server down). :class:`StoreHandle` turns every store failure into
 expires, a warning is logged at most every ``warning_interval_s``, and the
 first success after a failure logs that caching resumed. Config errors are
 the exception: they are raised at start-up.
+
+So is a store that can't be opened at start-up (:meth:`StoreHandle.open_at_start`):
+a server that never had a cache is more likely misconfigured than unlucky,
+so it refuses to start with the reason and the fix, unless the config says
+``allow_degraded: true``; then it serves without a cache, retries as above and
+reports itself degraded (``store_degraded`` in its stats) until the store opens.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ from ucm.shared.logging import get_logger
 from ucm.store import UcmConnectorFactory, UcmKVStoreBase
 
 logger = get_logger(__name__)
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store can't be opened at start-up and degraded serving isn't allowed."""
+
 
 # Store errors that concern one block, not the store's health.
 BLOCK_LEVEL_ERRORS = ("CorruptBlockError", "BlockNotFoundError")
@@ -112,6 +123,25 @@ def build_store_config(
     return cfg
 
 
+def fix_hint(spec: StoreSpec) -> str:
+    """What to check for a store that can't be opened, by its stages."""
+    pipeline = str(spec.config.get("store_pipeline", ""))
+    hints = []
+    if "Mooncake" in pipeline:
+        hints.append(
+            "point mooncake_master (or the MOONCAKE_MASTER variable it names) at a running "
+            "Mooncake master"
+        )
+    if "S3" in pipeline:
+        hints.append("check s3_endpoint, the bucket and the credentials")
+    if "NFS" in pipeline:
+        hints.append("check that the NFS server in storage_backends is reachable")
+    if not hints:
+        dirs = ", ".join(str(d) for d in storage_dirs(spec)) or "storage_backends"
+        hints.append(f"make {dirs} a directory this user can create and write")
+    return "; ".join(hints)
+
+
 class StoreHandle:
     """Opens ``spec`` on first use and tracks whether the store is usable."""
 
@@ -135,6 +165,9 @@ class StoreHandle:
         self._suppressed = 0
         self.errors = 0
         self.failures_since_ok = 0
+        self.allow_degraded = c.allow_degraded
+        self.degraded = False
+        """Started without the store (``allow_degraded``) and not yet opened it."""
         if self.spec.module_path:
             try:
                 UcmConnectorFactory.register_connector(
@@ -167,7 +200,33 @@ class StoreHandle:
                 except Exception as e:  # any failure to open: retry later
                     self._fail_locked(e, "open")
                     return None
+                if self.degraded:
+                    logger.warning(
+                        "UCM store %s (%s) opened; no longer degraded", self.spec.name, self.role
+                    )
+                    self.degraded = False
             return self._store
+
+    def open_at_start(self) -> None:
+        """Opens the store now; raises :class:`StoreUnavailableError` with the
+        reason and the fix when it can't, unless degraded serving is allowed."""
+        with self._lock:
+            try:
+                self._store = self._open()
+                return
+            except Exception as e:
+                if not self.allow_degraded:
+                    raise StoreUnavailableError(self._refusal(e)) from e
+                self.degraded = True
+                self._fail_locked(e, "open")
+
+    def _refusal(self, err: BaseException) -> str:
+        return (
+            f"UCM store {self.spec.name} ({self.role}) can't be opened: {err}. "
+            f"Fix: {fix_hint(self.spec)}; or set allow_degraded: true in the connector "
+            "config to serve without a cache (retrying the store, ucm_store_degraded = 1) "
+            "until it can be opened"
+        )
 
     def _open(self) -> UcmKVStoreBase:
         for d in storage_dirs(self.spec):
@@ -228,4 +287,10 @@ class StoreHandle:
                 logger.debug("closing the UCM store failed: %s", e)
 
 
-__all__ = ["StoreHandle", "build_store_config", "is_block_level"]
+__all__ = [
+    "StoreHandle",
+    "StoreUnavailableError",
+    "build_store_config",
+    "fix_hint",
+    "is_block_level",
+]

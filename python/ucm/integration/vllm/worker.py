@@ -185,7 +185,7 @@ class UCMWorkerSide:
             device_id=max(self.tp_rank, 0),
         )
         self.store = StoreHandle(self.cfg, store_cfg, role=f"worker rank {self.tp_rank}")
-        self.store.get()  # open now (failures are retried later)
+        self.store.open_at_start()
         self._load_waiter = threading.Thread(
             target=self._load_wait_loop, name="ucm-load-waiter", daemon=True
         )
@@ -528,6 +528,7 @@ class UCMWorkerSide:
             self._errors_reported = self.store.errors
         if self.store is not None and (data or not self.store.healthy):
             data["store_healthy"] = int(self.store.healthy)
+            data["store_degraded"] = int(self.store.degraded)
         return UCMKVConnectorStats(data=data) if data else None
 
     def shutdown(self) -> None:

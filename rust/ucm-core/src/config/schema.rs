@@ -26,8 +26,8 @@ pub enum Kind {
     Choice(&'static [&'static str]),
     /// A non-empty list of positive integers (bytes).
     Sizes,
-    /// One or more locations: a list of text, or one text of
-    /// `:`-separated paths.
+    /// One or more absolute directories: a list of text, or one text
+    /// (one directory).
     Locations,
     /// One location (a URL may hold `:`): text, or a list of one text.
     Location,

@@ -373,18 +373,28 @@ impl Conv<'_> {
         Ok(Val::Text(one))
     }
 
+    /// Absolute directories: one text is one path (a ':' in it is part of
+    /// the name, never a separator), several are a list. A relative path
+    /// would depend on each process's working directory, so it is refused
+    /// with the absolute form it stands for here.
     fn locations(&self) -> Result<Val, ConfigError> {
         let list = match self.raw {
-            Raw::Str(s) => s
-                .split(':')
-                .filter(|p| !p.trim().is_empty())
-                .map(|p| p.trim().to_string())
-                .collect(),
+            Raw::Str(s) if !s.trim().is_empty() => {
+                let one = s.trim().to_string();
+                if !one.starts_with('/') {
+                    return Err(self.err(relative_path(&one)));
+                }
+                vec![one]
+            }
+            Raw::Str(_) => Vec::new(),
             Raw::List(items) => {
                 let mut out = Vec::new();
                 for (i, item) in items.iter().enumerate() {
                     match item {
-                        Raw::Str(s) if !s.trim().is_empty() => out.push(s.trim().to_string()),
+                        Raw::Str(s) if s.trim().starts_with('/') => out.push(s.trim().to_string()),
+                        Raw::Str(s) if !s.trim().is_empty() => {
+                            return Err(self.item_err(i, relative_path(s.trim())))
+                        }
                         _ => {
                             return Err(self
                                 .item_err(i, format!("expected a path, got {}", item.describe())))
@@ -405,6 +415,17 @@ impl Conv<'_> {
         }
         Ok(Val::List(list))
     }
+}
+
+/// Why a relative directory is refused, with the absolute one it would be.
+fn relative_path(path: &str) -> String {
+    let here = std::env::current_dir()
+        .map(|d| d.join(path).display().to_string())
+        .unwrap_or_else(|_| format!("/full/path/to/{path}"));
+    format!(
+        "{path:?} is a relative path (it would depend on each process's working \
+         directory); give an absolute one, e.g. {here:?}, and several directories as a list"
+    )
 }
 
 /// An integer from an integer, an integral number, or text (`0x` prefixes
@@ -463,7 +484,8 @@ mod tests {
             ]),
         )
         .unwrap();
-        assert_eq!(v.list("storage_backends"), ["/a", "/b"]);
+        // One text is one directory, ':' and all.
+        assert_eq!(v.list("storage_backends"), ["/a:/b"]);
         assert_eq!(v.int("block_size"), 4096);
         assert_eq!(v.int("io_threads"), 8);
         assert!(v.bool("io_direct"));
@@ -529,14 +551,40 @@ mod tests {
         );
 
         let dirs = Key::new("dirs", Kind::Locations, Dflt::Unset, "");
+        // One text is one directory: a ':' is part of its name.
         assert_eq!(
-            convert(&dirs, &Raw::Str(" /a : :/b".into())).unwrap(),
+            convert(&dirs, &Raw::Str(" /a:b ".into())).unwrap(),
+            Val::List(vec!["/a:b".into()])
+        );
+        assert_eq!(
+            convert(
+                &dirs,
+                &list(&[Raw::Str("/a".into()), Raw::Str("/b".into())])
+            )
+            .unwrap(),
             Val::List(vec!["/a".into(), "/b".into()])
         );
         let e = convert(&dirs, &list(&[Raw::Str("/a".into()), Raw::Str(" ".into())])).unwrap_err();
         assert_eq!(e.key, "dirs[1]");
-        let e = convert(&dirs, &Raw::Str(":".into())).unwrap_err();
+        let e = convert(&dirs, &Raw::Str(" ".into())).unwrap_err();
         assert_eq!(e.reason, "at least one location is required");
+        // A relative directory is refused with its absolute form.
+        let e = convert(&dirs, &Raw::Str("b/c".into())).unwrap_err();
+        assert_eq!(e.key, "dirs");
+        assert!(e.reason.contains("\"b/c\" is a relative path"), "{e}");
+        let cwd = std::env::current_dir().unwrap().join("b/c");
+        assert!(
+            e.reason
+                .contains(&format!("{:?}", cwd.display().to_string())),
+            "{e}"
+        );
+        let e = convert(
+            &dirs,
+            &list(&[Raw::Str("/a".into()), Raw::Str("kv".into())]),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "dirs[1]");
+        assert!(e.reason.contains("relative"), "{e}");
 
         let dir = Key::new("dir", Kind::Location, Dflt::Unset, "");
         assert_eq!(

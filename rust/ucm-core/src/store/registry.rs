@@ -277,7 +277,7 @@ pub fn in_words(names: &[&str]) -> String {
 }
 
 /// The maintenance of Posix directories: only `storage_backends` is read
-/// (one text of `:`-separated paths, or a list of them); the geometry is
+/// (one text is one directory, or a list of them); the geometry is
 /// read from the blocks themselves.
 fn posix_maintenance(_: &StageDef, raw: &[(String, Raw)]) -> Result<Arc<dyn Maintenance>> {
     let given = raw
@@ -286,11 +286,7 @@ fn posix_maintenance(_: &StageDef, raw: &[(String, Raw)]) -> Result<Arc<dyn Main
         .map(|(_, v)| v)
         .ok_or_else(|| UcmError::invalid("storage_backends: required"))?;
     let dirs: Vec<std::path::PathBuf> = match given {
-        Raw::Str(one) => one
-            .split(':')
-            .filter(|p| !p.is_empty())
-            .map(Into::into)
-            .collect(),
+        Raw::Str(one) => vec![one.into()],
         Raw::List(items) => items
             .iter()
             .map(|item| match item {
