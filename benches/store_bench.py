@@ -34,9 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support import store_debug
+
 import native_baselines
 from ucm.store import UcmConnectorFactory
-from ucm.testing import store_debug
 
 QD = 4
 PIPELINE_BENCH = Path(__file__).with_name("pipeline_bench.py")

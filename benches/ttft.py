@@ -92,8 +92,8 @@ from typing import Any
 import native_baselines
 from lmcache_engine import LMCacheServer, LMCacheSpawner, lmcache_import_error
 from page_cache import evict, page_in
-from ucm.testing.harness import EngineProcess, EngineSpawner, engine_env
-from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+from ucm.vllm_demo.engine_process import EngineProcess, EngineSpawner, engine_env
+from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_SPEC = TinyModelSpec(
