@@ -28,12 +28,12 @@ that match full prefill's continuation.
 Backends (``--backend``):
 
 * ``ref`` (default, runs anywhere): the torch reference stack
-  :mod:`ucm.testing.refmodel` (vLLM's CPU KV layout, random weights,
+  :mod:`support.refmodel` (vLLM's CPU KV layout, random weights,
   ``--impl torch`` or ``triton``/``auto`` on a GPU);
 * ``vllm`` (``--vllm``): real vLLM engines (CPU build here; any build with
   ``enforce_eager``, prefix caching off) on a random-weight Llama of the
-  same shape written by :mod:`ucm.testing.tiny_model`, one engine
-  per process (:mod:`ucm.testing.vllm_child`). The reference outputs
+  same shape written by :mod:`ucm.vllm_demo.tiny_model`, one engine
+  per process (:mod:`support.vllm_child`). The reference outputs
   come from vLLM without a connector; an engine with the UCM connector fills
   a Posix store by serving every pool chunk alone. Then one engine per ratio
   with ``ucm_sparse_config: {Blend: {blend_recompute_ratio: r}}``
@@ -67,12 +67,14 @@ from typing import Any, TypeVar
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support import refmodel as rm
 
 from ucm.sparse.base import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend import Blend, BlendConfig
 from ucm.sparse.kernels import keys
-from ucm.testing import refmodel as rm
-from ucm.testing.tiny_model import TinyModelSpec
+from ucm.vllm_demo.tiny_model import TinyModelSpec
 
 END = 3  # chunk-end token (the tiny vocab's <pad>)
 
@@ -245,8 +247,9 @@ def run_vllm(args: argparse.Namespace) -> list[dict]:
     """The ``vllm`` backend (see the module doc)."""
     import tempfile
 
-    from ucm.testing.tiny_model import make_tiny_llama
-    from ucm.testing.vllm_child import run_child
+    from support.vllm_child import run_child
+
+    from ucm.vllm_demo.tiny_model import make_tiny_llama
 
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ucm-blend-bench-"))
     spec = model_spec(args, TinyModelSpec)

@@ -219,8 +219,8 @@ def on_disk(parent: Path) -> list[dict[str, Any]]:
 def engine_start(data: Path, n: int, runs: int) -> tuple[float, float]:
     """Seconds an engine takes to start over the store of ``n`` blocks and
     over an empty one (medians, alternated)."""
-    from ucm.testing.harness import EngineProcess
-    from ucm.testing.tiny_model import make_tiny_llama
+    from ucm.vllm_demo.engine_process import EngineProcess
+    from ucm.vllm_demo.tiny_model import make_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_llama(Path(tmp) / "model")

@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ucm.testing.tiny_serve import free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support.tiny_serve import free_port
 
 CONNECTOR = "LMCacheMPConnector"
 
@@ -163,7 +165,7 @@ class LMCacheServer:
 
 
 class LMCacheSpawner:
-    """Starts harness engines (``ucm.testing.harness.EngineSpawner``) as this
+    """Starts harness engines (``ucm.vllm_demo.engine_process.EngineSpawner``) as this
     file run as a script, with LMCache importable."""
 
     def __init__(self, path: Path, env: dict[str, str]) -> None:
@@ -202,7 +204,7 @@ def _main() -> None:
 
     ffi.lib._fntab["__dict__"] = {}
 
-    from ucm.testing.harness import run_engine
+    from ucm.vllm_demo.engine_process import run_engine
 
     run_engine(json.loads(sys.argv[1]), sys.stdin, sys.stdout)
 

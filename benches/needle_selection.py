@@ -46,7 +46,7 @@ from quality import needle_set
 from ucm.models import ModelUnavailable, ensure, load_tokenizer
 from ucm.sparse.esa import esa_scores
 from ucm.sparse.kernels import selection
-from ucm.testing.corpus import answer_digits
+from ucm.vllm_demo.corpus import answer_digits
 
 B, N_INIT, N_LOCAL, DECODE = 32, 1, 2, 10
 

@@ -45,9 +45,12 @@ from pathlib import Path
 
 import aiohttp
 
-from ucm.testing.harness import engine_env
-from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
-from ucm.testing.tiny_serve import free_port, http, tiny_server_args
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support.tiny_serve import free_port, http, tiny_server_args
+
+from ucm.vllm_demo.engine_process import engine_env
+from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = TinyModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1024, vocab=512)

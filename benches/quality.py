@@ -2,7 +2,7 @@
 against their dense baselines, on vLLM (CPU or GPU build).
 
 The model is SmolLM2-135M-Instruct (``ucm model fetch``), float32, greedy.
-The texts are made from a seed (``ucm.testing.corpus``): no data set.
+The texts are made from a seed (``ucm.vllm_demo.corpus``): no data set.
 
 * **Needles** (pass-key retrieval): a haystack of filler prose of 2k, 4k and
   7.5k tokens with one pass key hidden at a depth spread evenly over the
@@ -55,8 +55,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support.forker import EngineForker
+
 from ucm.models import ModelUnavailable, ensure, load_tokenizer
-from ucm.testing.corpus import (
+from ucm.vllm_demo.corpus import (
     ChatPrompt,
     Record,
     answer_digits,
@@ -67,8 +71,7 @@ from ucm.testing.corpus import (
     rag_prompt,
     record_facts,
 )
-from ucm.testing.forker import EngineForker
-from ucm.testing.harness import EngineProcess, engine_env
+from ucm.vllm_demo.engine_process import EngineProcess, engine_env
 
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x K/V x KV heads x head dim x fp32

@@ -89,6 +89,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
 BENCHES = Path(__file__).resolve().parent
 REPO = BENCHES.parent
 SYSTEMS = ("limit", "vllm", "offload", "lmcache", "ucm", "ucm-posix")
@@ -428,7 +430,7 @@ class Server:
     """A ``vllm serve`` process group; stopped (the whole group) on close."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path, timeout_s: float) -> None:
-        from ucm.testing.tiny_serve import http
+        from support.tiny_serve import http
 
         self.log_path = log
         self._logf = open(log, "w")
@@ -454,7 +456,7 @@ class Server:
             raise
 
     def metrics_text(self) -> str:
-        from ucm.testing.tiny_serve import http
+        from support.tiny_serve import http
 
         return http(self.base + "/metrics", timeout=30)[1]
 
@@ -750,7 +752,7 @@ class Run:
 def run_one(
     name: str, args: argparse.Namespace, model: ModelInfo, point: Point, repeat: int, root: Path
 ) -> Run:
-    from ucm.testing.tiny_serve import free_port
+    from support.tiny_serve import free_port
 
     shape: Shape = args.shape
     docs, turns = plan_point(shape, point, args.vocab)

@@ -30,12 +30,12 @@ Case sources (``--source``, repeatable):
 * ``planted-sharp``: the same with strong boosts (6-8 logits on half of
   each block's keys): attention concentrates on the planted blocks;
 * ``random-llama``: q/k/v captured from a small random-weight Llama-style
-  decoder in plain torch (:func:`ucm.testing.synthetic.random_llama_case`);
+  decoder in plain torch (:func:`support.synthetic.random_llama_case`);
 * ``file:PATH``: a ``torch.save``'d list of dicts with keys ``k``, ``v``,
   ``queries``, ``block_size`` (e.g. captured from vLLM later).
 
 New sources plug in through :data:`SOURCES` (name -> callable returning
-:class:`~ucm.testing.synthetic.SparseCase` objects).
+:class:`~support.synthetic.SparseCase` objects).
 
 Usage: ``python benches/sparse_quality.py [--source planted] [--quick] [--json out.json]``.
 """
@@ -54,6 +54,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support.synthetic import SparseCase, planted_case, random_llama_case
+
 from ucm.sparse import SparseModelInfo
 from ucm.sparse.esa import ESAConfig, esa_representatives, esa_scores
 from ucm.sparse.gsa import SRPHashEncoder, gsa_select
@@ -61,7 +65,6 @@ from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kernels.dispatch import Impl, triton_usable
 from ucm.sparse.kvstar import kvstar_channels, kvstar_representatives, kvstar_scores
 from ucm.sparse.offload import make_offload_plan, topk_sorted
-from ucm.testing.synthetic import SparseCase, planted_case, random_llama_case
 
 RATIOS = (0.1, 0.2, 0.3)
 METHODS = ("ESA", "GSA", "KVStar", "Oracle")

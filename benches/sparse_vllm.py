@@ -45,7 +45,7 @@ def child(args: argparse.Namespace) -> None:
     from vllm.config import KVTransferConfig
 
     from ucm.integration.vllm.sparse import offload
-    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
     spec = TinyModelSpec(
         layers=args.layers, hidden=args.hidden, heads=4, kv_heads=2, intermediate=2 * args.hidden

@@ -34,9 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support import store_debug
+
+import native_baselines
 import ucm.store
-from ucm import _native
-from ucm.testing import store_debug
 
 QD = 4
 PIPELINE_BENCH = Path(__file__).with_name("pipeline_bench.py")
@@ -138,10 +141,10 @@ def throughput(root: Path, total: int, shard: int, tensors: int, engine: str, di
     assert torch.equal(src, dst), "loaded bytes differ"
     store.close()
     bw = statistics.median(
-        _native.baseline_direct_io_gbps(str(root), "write", total, shard, QD) for _ in range(3)
+        native_baselines.direct_io_gbps(root, "write", total, shard, QD) for _ in range(3)
     )
     br = statistics.median(
-        _native.baseline_direct_io_gbps(str(root), "read", total, shard, QD) for _ in range(3)
+        native_baselines.direct_io_gbps(root, "read", total, shard, QD) for _ in range(3)
     )
     return (
         statistics.median(dumps),
@@ -197,6 +200,7 @@ def main() -> None:
     if args.durability:
         durability_cost(args.dir, total)
         return
+    native_baselines.require()
     print(f"Python API vs plain O_DIRECT pread/pwrite, {args.mib} MiB, queue depth {QD} (GB/s)")
     print(
         f"{'case':<26}{'dump':>7}{'base_w':>8}{'ratio':>7}"

@@ -89,10 +89,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import native_baselines
 from lmcache_engine import LMCacheServer, LMCacheSpawner, lmcache_import_error
 from page_cache import evict, page_in
-from ucm.testing.harness import EngineProcess, EngineSpawner, engine_env
-from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+from ucm.vllm_demo.engine_process import EngineProcess, EngineSpawner, engine_env
+from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_SPEC = TinyModelSpec(
@@ -122,12 +123,9 @@ def _bench_dir() -> Path:
 
 def raw_read_gbps(root: Path, total: int = 1 << 30) -> float:
     """Sequential O_DIRECT read bandwidth of the disk under ``root`` (1 MiB I/Os, QD 8)."""
-    from ucm import _native
-
-    fn = getattr(_native, "baseline_direct_io_gbps", None)
-    if fn is None:  # pragma: no cover - older builds
-        return float("nan")
-    return statistics.median(fn(str(root), "read", total, 1 << 20, 8) for _ in range(3))
+    return statistics.median(
+        native_baselines.direct_io_gbps(root, "read", total, 1 << 20, 8) for _ in range(3)
+    )
 
 
 def _parallel_copy_gbps(total: int, copy_part: Callable[[int, int], None]) -> float:
@@ -232,10 +230,8 @@ def cold_read_seconds(store: Path, nbytes: int, settle: float) -> dict[str, floa
 def checksum_gbps(total: int = 512 << 20) -> float:
     """Speed of the checksum every load verifies (one per shard of the
     bench model: a layer's K and V of one block), on all CPUs."""
-    from ucm import _native
-
     shard = 2 * BLOCK * BENCH_SPEC.kv_heads * BENCH_SPEC.head_dim * 4
-    return _native.baseline_checksum_gbps(total, shard, os.cpu_count() or 1)
+    return native_baselines.checksum_gbps(total, shard, os.cpu_count() or 1)
 
 
 def memcpy_gbps(total: int = 512 << 20) -> float:
@@ -405,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cold_read_child(Path(root), int(nbytes), float(settle))))
         return 0
     assert args.lmcache_chunk % BLOCK == 0, "LMCache chunks must be whole vLLM blocks"
+    native_baselines.require()
 
     t0 = time.time()
     model = make_tiny_llama(args.model_dir, BENCH_SPEC)

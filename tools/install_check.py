@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ucm.testing.tiny_serve import free_port, http, tiny_server_args
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+from support.tiny_serve import free_port, http, tiny_server_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / ".venv"
@@ -156,7 +158,7 @@ def main() -> int:
         sh(ucm, "--help", cwd=run, capture_output=True)
         model = Path(
             sh(
-                py, "-m", "ucm.testing.tiny_model", work / "model", cwd=run, capture_output=True
+                py, "-m", "ucm.vllm_demo.tiny_model", work / "model", cwd=run, capture_output=True
             ).stdout.strip()
         )
         store = work / "store"

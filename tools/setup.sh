@@ -106,8 +106,11 @@ if [ "${UCM_SKIP_VLLM:-0}" != "1" ] && [ "${UCM_SKIP_MODEL:-0}" != "1" ]; then
     fi
 fi
 
-# Rebuild the extension only when Rust sources or build files changed.
-src_hash="$( (find rust -type f \( -name '*.rs' -o -name '*.toml' \) -print0 | sort -z | xargs -0 cat; cat Cargo.toml Cargo.lock pyproject.toml) 2>/dev/null | sha256sum | cut -d' ' -f1)"
+# The extension for tests and benchmarks carries the measurement baselines
+# they compare against (the `bench` feature); wheels are built without them.
+NATIVE_FEATURES="bench"
+# Rebuild the extension only when Rust sources, build files or features changed.
+src_hash="$( (find rust -type f \( -name '*.rs' -o -name '*.toml' \) -print0 | sort -z | xargs -0 cat; cat Cargo.toml Cargo.lock pyproject.toml; echo "$NATIVE_FEATURES") 2>/dev/null | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$src_hash" ] \
     || ! "$VENV/bin/python" -c 'import ucm._native' >/dev/null 2>&1; then
     log "building the native extension (release)"
@@ -116,9 +119,9 @@ if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$src_hash" ] \
         source "$VENV/bin/activate"
         # One build at a time per machine (parallel checkouts share pip state).
         if command -v flock >/dev/null 2>&1; then
-            flock /tmp/ucm-maturin.lock maturin develop --release -q
+            flock /tmp/ucm-maturin.lock maturin develop --release -q --features "$NATIVE_FEATURES"
         else
-            maturin develop --release -q
+            maturin develop --release -q --features "$NATIVE_FEATURES"
         fi
     )
     echo "$src_hash" > "$STAMPS/native"

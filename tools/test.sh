@@ -15,8 +15,12 @@ df -h "$ROOT" "${TMPDIR:-/tmp}" >&2 || true
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
-step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets -q -- -D warnings
+# Every target and feature (the benchmarks' measurement baselines too), then
+# the libraries as wheels build them (without the `bench` feature).
+step "cargo clippy --all-targets --all-features -- -D warnings"
+cargo clippy --workspace --all-targets --all-features -q -- -D warnings
+step "cargo clippy (default features) -- -D warnings"
+cargo clippy --workspace -q -- -D warnings
 # Docs that name a moved or renamed item fail here, not in a reader's hands.
 step "cargo doc (broken intra-doc links fail)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q

@@ -5,7 +5,10 @@
 * No module imports a private name (``_x``) of another module.
 * ``ucm.sparse`` knows no inference engine: it imports neither vLLM nor the
   integration and takes no vLLM config (its methods are built from
-  ``SparseModelInfo``); only ``ucm.testing`` itself imports the test tooling.
+  ``SparseModelInfo``); nothing else in the package imports ``ucm.testing``
+  (the conformance suite, for users' tests) or ``ucm.vllm_demo`` (the
+  README's main job), and no module of it imports the tests' helpers
+  (``support``) or pytest.
 
 Known exceptions are listed with the reason they are still there.
 """
@@ -152,8 +155,9 @@ def test_layers() -> None:
     for i in all_imports():
         if i.importer.startswith("ucm.sparse") and i.module.startswith("ucm.integration"):
             bad.append(f"{i.importer}:{i.line}: ucm.sparse must not import the engine integration")
-        if i.module.startswith("ucm.testing") and not i.importer.startswith("ucm.testing"):
-            bad.append(f"{i.importer}:{i.line}: only tests and ucm.testing import ucm.testing")
+        for tool in ("ucm.testing", "ucm.vllm_demo"):
+            if i.module.startswith(tool) and not i.importer.startswith(tool):
+                bad.append(f"{i.importer}:{i.line}: only tests and {tool} itself import {tool}")
     for name, path in module_names().items():
         if name.startswith("ucm.sparse"):
             tree = ast.parse(path.read_text())
@@ -179,6 +183,21 @@ def test_sparse_methods_take_no_vllm_config() -> None:
         if "vllm_config" in line.lower()
     ]
     assert not bad, "ucm.sparse mentions vllm_config at " + ", ".join(bad)
+
+
+def test_the_package_ships_no_test_tooling() -> None:
+    bad = []
+    for name, path in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            for m in mods:
+                if m.split(".")[0] in ("support", "pytest"):
+                    bad.append(f"{name}:{node.lineno} imports {m} (test tooling)")
+    assert not bad, "\n".join(bad)
 
 
 #: A file longer than this says why at its top (see `test_long_files_say_why`).

@@ -11,7 +11,9 @@ Subpackages (``docs/architecture.md`` draws how they fit):
   GSA, Blend, ReRoPE, users' own), engine-neutral, with their kernels;
 * :mod:`ucm.shared` -- logging, config parsing, metrics;
 * :mod:`ucm.models` -- the demo's real model, fetched from PyPI and converted once;
-* :mod:`ucm.testing` -- test and demo tooling (not product API);
+* :mod:`ucm.testing` -- the store conformance suite, to check a store of yours;
+* :mod:`ucm.vllm_demo` -- the README's main job: vLLM engines in child
+  processes, small random-weight models and generated prompts it runs;
 * :mod:`ucm.demo` -- a store round trip without an engine.
 """
 

@@ -12,11 +12,11 @@ import random
 
 import pytest
 import torch
+from support import refmodel as rm
 
 from ucm.sparse import SparseModelInfo, UcmSparseRole
 from ucm.sparse.blend import CHUNKS_PARAM, Blend, BlendConfig, BlendMode
 from ucm.sparse.kernels.triton_utils import HAS_TRITON
-from ucm.testing import refmodel as rm
 
 B = 16
 END = 3

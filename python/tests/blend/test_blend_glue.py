@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from support import refmodel as rm
 
 from ucm.integration.vllm.sparse.blend import BlendReqMeta, BlendScheduler, blend_config_from
 from ucm.sparse.blend import BlendConfig, BlendMode, plan_request
 from ucm.sparse.config import method_kv_namespace
-from ucm.testing import refmodel as rm
 
 B = 4
 END = 3

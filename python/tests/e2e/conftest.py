@@ -18,7 +18,7 @@ if importlib.util.find_spec("vllm") is None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ucm.testing.tiny_model import make_tiny_llama
+    from ucm.vllm_demo.tiny_model import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-model"))
 

@@ -20,7 +20,7 @@ import json
 import random
 import sys
 
-from ucm.testing.harness import prepare_engine_child
+from ucm.vllm_demo.engine_process import prepare_engine_child
 
 prepare_engine_child()
 
@@ -46,12 +46,12 @@ def engine_args(model_dir: object) -> dict:
 
 def main() -> None:
     import torch
+    from support import refmodel as rm
 
     from ucm.integration.vllm.sparse.rerope import install_rerope
     from ucm.sparse.kernels.rope import rope_cos_sin_cache
     from ucm.sparse.rerope.config import ReRoPEConfig
-    from ucm.testing import refmodel as rm
-    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
     model_dir = make_tiny_llama(sys.argv[1], TinyModelSpec(max_positions=TRAINING))
     if len(sys.argv) > 3 and sys.argv[2] == "--connector":
@@ -106,8 +106,9 @@ def main() -> None:
 
 def reference_tokens(model_dir: object, prompt: list[int]) -> tuple[list[int], float]:
     """Greedy tokens and first log probability of the torch reference stack with ReRoPE."""
+    from support import refmodel as rm
+
     from ucm.sparse.rerope.config import ReRoPEConfig
-    from ucm.testing import refmodel as rm
 
     cfg = ReRoPEConfig(rerope_window=WINDOW, training_length=TRAINING)
     ref_model = rm.TinyLlama.from_pretrained(model_dir, max_positions=4096)
@@ -122,7 +123,7 @@ def connector_main(model_dir: object, store: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from ucm.testing.harness import CONNECTOR
+    from ucm.vllm_demo.engine_process import CONNECTOR
 
     ucm = {
         "storage_backends": store,

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ucm.testing.harness import prepare_engine_child
+from ucm.vllm_demo.engine_process import prepare_engine_child
 
 prepare_engine_child()
 
@@ -337,7 +337,7 @@ def scenario_readme(model: Path, work: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
     model = make_tiny_llama(sys.argv[1], TinyModelSpec(**SPEC))
     work = Path(sys.argv[2])

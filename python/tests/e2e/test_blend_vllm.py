@@ -2,7 +2,7 @@
 
 A random tiny Llama (4 layers, hidden 256, float32), greedy, block size 32,
 chunks of 128 tokens (4 blocks). Engines run in child processes
-(:mod:`ucm.testing.vllm_child`) that share one Posix store directory:
+(:mod:`support.vllm_child`) that share one Posix store directory:
 
 * REF, no connector: the full-prefill tokens of every prompt;
 * BLEND (``blend_recompute_ratio`` 1.0, vLLM's prefix cache on): builds the
@@ -52,7 +52,7 @@ def _chunk(rng: random.Random) -> list[int]:
 
 
 def run_engine(spec: dict[str, Any], cwd: Path) -> dict[str, Any]:
-    from ucm.testing.vllm_child import run_child
+    from support.vllm_child import run_child
 
     return run_child(spec, cwd, timeout=600)
 
@@ -77,7 +77,7 @@ def blend_ucm(store: Path, **blend: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
-    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
     model = make_tiny_llama(
         request.config.cache.mkdir("ucm-blend-tiny-l4h256"),
@@ -110,10 +110,11 @@ def world(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
 
 def reference_blend(world: dict[str, Any]) -> tuple[list[int], float]:
     """Greedy tokens and first-token log probability of the blended prompt on
-    :mod:`ucm.testing.refmodel` (default ratio, check layer 1)."""
+    :mod:`support.refmodel` (default ratio, check layer 1)."""
+    from support import refmodel as rm
+
     from ucm.sparse import SparseModelInfo, UcmSparseRole
     from ucm.sparse.blend import Blend, BlendConfig
-    from ucm.testing import refmodel as rm
 
     model = rm.TinyLlama.from_pretrained(world["model"])
     info = SparseModelInfo(block_size=BS, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64)

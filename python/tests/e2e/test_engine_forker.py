@@ -1,5 +1,5 @@
 """Engines forked from one process that imported vLLM once
-(:mod:`ucm.testing.forker`, used by ``benches/quality.py``): each must behave
+(:mod:`support.forker`, used by ``benches/quality.py``): each must behave
 as an engine started in a new interpreter."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 from pathlib import Path
 
 from support.engines import Engine
+from support.forker import EngineForker
 
-from ucm.testing.forker import EngineForker
-from ucm.testing.harness import EngineProcess, engine_env
+from ucm.vllm_demo.engine_process import EngineProcess, engine_env
 
 
 def test_forked_engines_match_a_fresh_process_and_share_the_store(

@@ -13,7 +13,7 @@ from support.engines import engine_env
 OFFLINE_LLM = """
 import sys
 from vllm import LLM
-from ucm.testing.harness import CONNECTOR
+from ucm.vllm_demo.engine_process import CONNECTOR
 from ucm.shared.config import ConfigError
 
 try:

@@ -28,8 +28,7 @@ from typing import Any
 
 import pytest
 from support.engines import ROOT, engine_env
-
-from ucm.testing.tiny_serve import free_port, http, tiny_server_args
+from support.tiny_serve import free_port, http, tiny_server_args
 
 README = (ROOT / "README.md").read_text()
 WORDS = (

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ucm.testing.corpus import answer_digits, make_haystack
+from ucm.vllm_demo.corpus import answer_digits, make_haystack
 
 PROMPT_TOKENS = 4096
 MAX_TOKENS = 32

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 from support.engines import ROOT, engine_env
-
-from ucm.testing.tiny_serve import free_port, http, tiny_server_args
+from support.tiny_serve import free_port, http, tiny_server_args
 
 PROMPT = (
     "the cache of keys and values is stored on disk so that a later request with the same "

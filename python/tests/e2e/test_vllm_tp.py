@@ -118,7 +118,7 @@ def rank_pairs(files: set[str]) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+    from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
     spec = TinyModelSpec(
         layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, intermediate=512

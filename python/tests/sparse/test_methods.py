@@ -9,6 +9,7 @@ import pytest
 import torch
 from support.kernel_checks import assert_close
 from support.offload_sim import run_offload_sim
+from support.synthetic import planted_case, random_llama_case
 
 from ucm.sparse import INVALID_SLOT, ESAConfig, GSAConfig, KVStarConfig, SparseModelInfo
 from ucm.sparse import UcmSparseRole as Role
@@ -17,7 +18,6 @@ from ucm.sparse.gsa import GSA, SRPHashEncoder, gsa_select
 from ucm.sparse.kernels import attention, selection
 from ucm.sparse.kvstar import KVStar, kvstar_channels
 from ucm.sparse.offload import OffloadPlan, topk_sorted
-from ucm.testing.synthetic import planted_case, random_llama_case
 
 B = 16
 H_KV, G, D = 2, 4, 64

@@ -1,6 +1,8 @@
 """The same-run baselines the benchmarks divide by, through the binding:
 each returns a positive rate, and work that cannot be measured is refused
-with the store's parameter error, not a crash or a zero."""
+with the store's parameter error, not a crash or a zero. They are in the
+extension the tests build (the ``bench`` feature, see ``tools/setup.sh``),
+not in wheels."""
 
 from __future__ import annotations
 
@@ -10,6 +12,13 @@ import pytest
 
 from ucm import _native
 from ucm.errors import InvalidParamError
+
+if not hasattr(_native, "baseline_checksum_gbps"):
+    pytest.fail(
+        "the native extension was built without the `bench` feature (tools/setup.sh "
+        "builds it with): maturin develop --release --features bench",
+        pytrace=False,
+    )
 
 
 def test_checksum_baseline_measures_and_refuses_empty_work() -> None:

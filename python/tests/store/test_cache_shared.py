@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(
     from test_cache_shared import shared_cfg, content, rows, bid, put
     import numpy as np
     from ucm.store import UcmConnectorFactory
-    from ucm.testing import store_debug
+    from support import store_debug
 
     cfg = json.loads(sys.argv[1])
     action = sys.argv[2]

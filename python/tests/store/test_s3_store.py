@@ -27,6 +27,7 @@ import pytest
 from support.remote_helpers import SHARD, SHARDS, bid, block_data, dump, load, remote_config
 from support.remote_scenarios import ride_out_an_outage, round_trip, wait_until_found
 from support.servers import DelayProxy, MotoServer
+from support.tiny_serve import free_port
 
 from ucm.shared.config import ConfigError
 from ucm.store import (
@@ -36,7 +37,6 @@ from ucm.store import (
     UcmKVStoreBase,
     UcmStoreError,
 )
-from ucm.testing.tiny_serve import free_port
 
 
 def s3_config(server: MotoServer, bucket: str, **overrides: Any) -> dict[str, Any]:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import store_debug
 from support.store_helpers import SHARD, SHARDS, base_config, run_in_threads
 
 from ucm.store import CorruptBlockError, UcmConnectorFactory
-from ucm.testing import store_debug
 
 
 def content(bid: bytes, shard: int) -> np.ndarray:

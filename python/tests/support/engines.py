@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ucm.testing.harness import EngineProcess, engine_env
+from ucm.vllm_demo.engine_process import EngineProcess, engine_env
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 class Engine(EngineProcess):
-    """A vLLM engine (``ucm.testing.harness``) in a child process;
+    """A vLLM engine (``ucm.vllm_demo.engine_process``) in a child process;
     test engines use a 2048-token context and a 64 MiB KV cache."""
 
     def __init__(self, config: dict, log: Path, env: dict[str, str] | None = None) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ucm.testing.tiny_serve import free_port
+from support.tiny_serve import free_port
 
 CLONE_NEWNET = 0x40000000
 
@@ -449,8 +449,8 @@ def vllm_two_engines(
     The connector creates ``storage_backends`` as local directories even
     for URLs (``s3://b/p`` gives ``/b/p``); what that leaves behind at the
     file system root is removed here."""
-    from ucm.testing.harness import EngineProcess, engine_env
-    from ucm.testing.tiny_model import make_tiny_llama
+    from ucm.vllm_demo.engine_process import EngineProcess, engine_env
+    from ucm.vllm_demo.tiny_model import make_tiny_llama
 
     global _TINY_MODEL
     if _TINY_MODEL is None or not Path(_TINY_MODEL).exists():

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.tiny_serve import free_port, http
 
 from ucm.integration.vllm.proxy import CLIENT_KV_PARAMS, MAX_JSON_DEPTH
 from ucm.integration.vllm.request_control import KEYS as REQUEST_CONTROL_KEYS
-from ucm.testing.tiny_serve import free_port, http
 
 HANDOVER = {
     "do_remote_prefill": True,

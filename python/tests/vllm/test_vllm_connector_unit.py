@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from support import store_debug
 
 from ucm.integration.vllm.config import resolve_config
 from ucm.integration.vllm.rank_keys import RankKeys, rank_keys
 from ucm.integration.vllm.scheduler import KVGeometry, UCMSchedulerSide
 from ucm.integration.vllm.store_handle import StoreUnavailableError
 from ucm.integration.vllm.worker import UCMWorkerSide
-from ucm.testing import store_debug
 
 L, NB, H, BS, C = 3, 24, 2, 32, 64  # layers, vLLM blocks, KV heads, tokens/block, 2*head_dim
 SHARD = H * BS * C * 4

@@ -32,7 +32,7 @@ def bench(directory: str, mib: int, block_kib: int, rounds: int, direct: bool) -
 
     A scratch directory is made inside DIRECTORY and removed afterwards."""
     import ucm.store
-    from ucm import _native
+    from ucm.cli.raw_disk import direct_io_gbps
 
     parent = Path(directory)
     parent.mkdir(parents=True, exist_ok=True)
@@ -69,9 +69,7 @@ def bench(directory: str, mib: int, block_kib: int, rounds: int, direct: bool) -
                 bar.update()
             store.close()
             for name, op in (("disk write", "write"), ("disk read", "read")):
-                figures[name].append(
-                    _native.baseline_direct_io_gbps(scratch, op, total, block, QUEUE_DEPTH)
-                )
+                figures[name].append(direct_io_gbps(scratch, op, total, block, QUEUE_DEPTH))
                 bar.update()
     if not np.array_equal(src, dst):
         raise click.ClickException("loaded bytes differ from the dumped ones")

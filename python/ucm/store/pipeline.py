@@ -98,7 +98,7 @@ class UcmPipelineStore(UcmKVStoreBase):
     @property
     def native(self) -> _native.NativeStore:
         """The native store at the top of the pipeline (what the debug hooks
-        of :mod:`ucm.testing.store_debug` act on)."""
+        of the tests' ``support.store_debug`` act on)."""
         return self._native
 
     # -- lookups ---------------------------------------------------------

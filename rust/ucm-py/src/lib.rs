@@ -6,6 +6,7 @@
 
 use pyo3::prelude::*;
 
+#[cfg(feature = "bench")]
 mod bench;
 mod config;
 mod errors;
@@ -22,6 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
         .filter_target("ucm_core".to_owned(), log::LevelFilter::Trace)
         .install();
+    #[cfg(feature = "bench")]
     bench::register(m)?;
     errors::register(m)?;
     hashing::register(m)?;

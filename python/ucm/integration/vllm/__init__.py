@@ -11,8 +11,8 @@
   store, kept usable; :mod:`.stats` -- metrics carried to vLLM's ``/metrics``;
 * :mod:`.cli` -- ``vllm`` CLI that also works with the CPU build.
 
-Engines in child processes, the README's main job and random-weight test
-models are test tooling: :mod:`ucm.testing`.
+Engines in child processes, the README's main job and random-weight
+models are :mod:`ucm.vllm_demo`.
 
 Importing this package does not import vLLM.
 """

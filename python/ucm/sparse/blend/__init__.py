@@ -22,9 +22,9 @@ given by strides) and the fused L1 key deviation -- are
 :mod:`ucm.sparse.kernels.keys`; the attention of the kept rows is
 :mod:`ucm.sparse.kernels.attention`.
 
-Test tooling: :mod:`ucm.testing.refmodel` (a torch Llama with vLLM's CPU KV
-layout that runs the whole flow) and :mod:`ucm.testing.vllm_child` (one vLLM
-engine in a child process).
+Test tooling (in the tests' ``support`` package, not product API):
+``refmodel`` (a torch Llama with vLLM's CPU KV layout that runs the whole
+flow) and ``vllm_child`` (one vLLM engine in a child process).
 
 On vLLM (0.32-0.33, ``enforce_eager=True``), enabled by
 ``ucm_sparse_config: {Blend: {...}}`` in the UCM connector's config, the

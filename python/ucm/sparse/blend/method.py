@@ -11,7 +11,7 @@ for the surviving rows with their true positions
 (built from the plans by :func:`build_step`).
 
 The same hooks drive the torch reference stack
-(:mod:`ucm.testing.refmodel`) and vLLM
+(the tests' ``support.refmodel``) and vLLM
 (:mod:`ucm.integration.vllm.sparse.blend`, see :mod:`ucm.sparse.blend`).
 """
 

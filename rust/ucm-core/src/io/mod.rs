@@ -14,7 +14,8 @@
 //! for requests still queued when the engine is dropped: drop drains them),
 //! and hand out [`BounceBuf`]s from a budgeted [`BouncePool`] that is
 //! registered with the kernel on io_uring where the memlock limit allows.
-//! [`baseline_direct_io`] measures plain O_DIRECT throughput for benchmarks.
+//! With the `bench` feature, `baseline` measures plain O_DIRECT throughput
+//! for benchmarks.
 
 use std::os::fd::RawFd;
 use std::sync::Arc;
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use crate::block::MemSeg;
 
 pub mod aligned;
+#[cfg(feature = "bench")]
 pub mod baseline;
 pub mod bulk_copy;
 #[cfg(test)]
@@ -33,6 +35,7 @@ mod threads;
 pub mod uring;
 
 pub use aligned::{align_up, AlignedBuf, BounceBuf, BouncePool, DIRECT_ALIGN};
+#[cfg(feature = "bench")]
 pub use baseline::{baseline_direct_io, BaselineFile};
 pub use inline::InlineEngine;
 pub use psync::PsyncEngine;

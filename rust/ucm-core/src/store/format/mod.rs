@@ -5,10 +5,12 @@
 //! file and an S3 object hold the same bytes, so a block can be copied
 //! between them unchanged and every load is verified the same way;
 //! [`codec`] builds and checks regions in memory for the remote tiers.
-//! [`checksum_baseline`] measures the load checksum's speed for benchmarks;
-//! [`carried`] hands a shard's known checksum between tiers with its memory.
+//! [`carried`] hands a shard's known checksum between tiers with its
+//! memory. With the `bench` feature, `checksum_baseline` measures the load
+//! checksum's speed for benchmarks.
 
 pub mod carried;
+#[cfg(feature = "bench")]
 pub mod checksum_baseline;
 pub mod codec;
 pub mod layout;

@@ -1,12 +1,12 @@
 """A vLLM engine in its own process, driven by JSON lines.
 
-Used by the README's main job (:mod:`.vllm_demo`), ``benches/ttft.py`` and the
+Used by the README's main job (:mod:`.demo`), ``benches/ttft.py`` and the
 end-to-end tests: each engine is a fresh process (as after a restart), with
 vLLM's engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
 it starts in seconds. A bench that starts many engines can fork them from
-one process that imported vLLM once (:mod:`.forker`).
+one process that imported vLLM once (the tests' ``support.forker``).
 
-Child side: ``python -m ucm.testing.harness '<json config>'`` with
+Child side: ``python -m ucm.vllm_demo.engine_process '<json config>'`` with
 ``model``, optional ``ucm`` (the connector's ``kv_connector_extra_config``;
 absent = no connector) and ``llm`` (more ``vllm.LLM`` arguments). Commands
 arrive on stdin, one JSON object per line; each answer is one stdout line
@@ -86,7 +86,7 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 class EngineSpawner(Protocol):
     """Starts an engine some other way than a new interpreter
-    (:class:`ucm.testing.forker.EngineForker`): its process handle (``poll``,
+    (the tests' ``support.forker.EngineForker``): its process handle (``poll``,
     ``wait``, ``kill``) and the files to read answers from and write commands to."""
 
     def spawn(
@@ -115,7 +115,7 @@ class EngineProcess:
             self.proc, self._out, self._in = forker.spawn(config, self.log_path, workdir)
         else:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ucm.testing.harness", json.dumps(config)],
+                [sys.executable, "-m", "ucm.vllm_demo.engine_process", json.dumps(config)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._log,
@@ -257,7 +257,7 @@ ENGINE_MODULES = (
 
 
 def import_engine_modules() -> None:
-    """Imports :data:`ENGINE_MODULES` (for :mod:`ucm.testing.forker`, which
+    """Imports :data:`ENGINE_MODULES` (for the tests' ``support.forker``, which
     forks engines after importing them once)."""
     for name in ENGINE_MODULES:
         importlib.import_module(name)

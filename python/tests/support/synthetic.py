@@ -12,6 +12,8 @@ Two sources:
 
 Any callable returning :class:`SparseCase` objects can be plugged into
 ``benches/sparse_quality.py`` as another source (e.g. KV captured from vLLM).
+
+Test and benchmark tooling (the tests' ``support`` package), not product API.
 """
 
 from __future__ import annotations

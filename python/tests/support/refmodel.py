@@ -10,7 +10,7 @@ transposed), and a sparse method's hooks are called where vLLM calls them
 ``execute_finished``).
 
 * :class:`TinyLlama` -- random weights, or a Hugging Face Llama checkpoint
-  (``from_pretrained``; e.g. the one :mod:`ucm.testing.tiny_model`
+  (``from_pretrained``; e.g. the one :mod:`ucm.vllm_demo.tiny_model`
   writes) so its outputs can be compared with vLLM's;
 * :class:`PagedKV` -- per-layer paged caches and a trivial block allocator;
 * :class:`DictStore` -- an in-memory block store (``lookup``,
@@ -18,6 +18,8 @@ transposed), and a sparse method's hooks are called where vLLM calls them
 * :class:`Request` -- a request's tokens and blocks;
 * :func:`serve_prefill` / :func:`full_prefill` / :func:`decode` -- a request through the store:
   plan (Blend), load (+ delta-RoPE), compute, dump.
+
+Test and benchmark tooling (the tests' ``support`` package), not product API.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from ucm.sparse.kernels.rope import apply_rope, rope_cos_sin_cache
 from ucm.sparse.kernels.views import kv_views
 from ucm.sparse.rerope.config import ReRoPEConfig
 from ucm.sparse.rerope.reference import rerope_prepare
-from ucm.testing.tiny_model import TinyModelSpec
+from ucm.vllm_demo.tiny_model import TinyModelSpec
 
 
 @dataclass(frozen=True)
 class TinyLlamaSpec(TinyModelSpec):
-    """The shape of the model (:class:`~ucm.testing.tiny_model.TinyModelSpec`)
+    """The shape of the model (:class:`~ucm.vllm_demo.tiny_model.TinyModelSpec`)
     and what the reference computes with beyond it."""
 
     head_size: int | None = None

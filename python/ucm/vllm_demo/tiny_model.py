@@ -4,7 +4,7 @@ Used by the end-to-end tests, the README's first command and
 ``benches/ttft.py``. The tokenizer is a byte-level BPE trained on a fixed
 synthetic corpus, so the same arguments always give the same model::
 
-    python -m ucm.testing.tiny_model DIR [--layers 2 --hidden 128 ...]
+    python -m ucm.vllm_demo.tiny_model DIR [--layers 2 --hidden 128 ...]
 
 The CPU attention backend of vLLM needs ``head_dim`` in {32, 64, 80, 96, 112,
 128, ...}; ``hidden / heads`` is the head size here.

@@ -1,4 +1,7 @@
-"""Test and tooling hooks of the built-in stores, outside the store API."""
+"""Test and tooling hooks of the built-in stores, outside the store API.
+
+Test and benchmark tooling (the tests' ``support`` package), not product API.
+"""
 
 from __future__ import annotations
 

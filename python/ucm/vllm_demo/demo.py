@@ -11,7 +11,7 @@ prefix cache is gone), sends the prompt again and prints the cold and warm
 time to first token and the hit rate. With the real model the prompt is a
 question over generated documents, and both engines' answers are printed::
 
-    python -m ucm.testing.vllm_demo [--tokens 2048] [--model auto|real|tiny] [--dir .ucm-demo/vllm]
+    python -m ucm.vllm_demo [--tokens 2048] [--model auto|real|tiny] [--dir .ucm-demo/vllm]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ucm.testing.harness import EngineProcess, engine_env
-from ucm.testing.tiny_model import TinyModelSpec, make_tiny_llama
+from ucm.vllm_demo.engine_process import EngineProcess, engine_env
+from ucm.vllm_demo.tiny_model import TinyModelSpec, make_tiny_llama
 
 DEMO_SPEC = TinyModelSpec(
     layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408, vocab=512, max_positions=16384
@@ -78,7 +78,7 @@ def _prompts(model: DemoModel, tokens: int) -> tuple[list[int], list[int], str, 
     if model.tokenizer is None:
         prompt = [rng.randrange(4, DEMO_SPEC.vocab) for _ in range(tokens)]
         return prompt, [rng.randrange(4, DEMO_SPEC.vocab) for _ in range(64)], "", ""
-    from ucm.testing.corpus import document_tokens, make_records, rag_prompt
+    from ucm.vllm_demo.corpus import document_tokens, make_records, rag_prompt
 
     records = make_records(rng, 24)
     docs: list[Any] = []
@@ -96,7 +96,9 @@ def _prompts(model: DemoModel, tokens: int) -> tuple[list[int], list[int], str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m ucm.vllm_demo", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length (about, real model)")
     ap.add_argument("--dir", type=Path, default=Path(".ucm-demo/vllm"), help="work directory")
     ap.add_argument("--layerwise", action="store_true", help="layer-wise transfers")

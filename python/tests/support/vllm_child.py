@@ -1,6 +1,6 @@
 """One vLLM engine for the Blend tests and ``benches/blend_ttft.py --vllm``, in a child process.
 
-Usage: ``python -m ucm.testing.vllm_child SPEC`` (JSON text, or a JSON
+Usage: ``python python/tests/support/vllm_child.py SPEC`` (JSON text, or a JSON
 file: prompts can exceed the argument limit). The spec holds ``model`` (a
 checkpoint directory), ``ucm`` (the connector's ``kv_connector_extra_config``;
 null: no connector), ``kv_role`` (default ``kv_both``), ``llm`` (more
@@ -15,6 +15,8 @@ seconds of every call, and what Blend counted during the last one
 (:data:`ucm.integration.vllm.sparse.blend.STATS`, ``STEP_LOG``). The engine
 core and the worker run in this process, so the counters of both connector
 halves are visible here.
+
+Test and benchmark tooling (the tests' ``support`` package), not product API.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 def main() -> None:
     """The child: set up the environment before vLLM is imported, run the ops."""
-    from ucm.testing.harness import prepare_engine_child
+    from ucm.vllm_demo.engine_process import prepare_engine_child
 
     prepare_engine_child()
     arg = sys.argv[1]
@@ -39,7 +41,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from ucm.integration.vllm.sparse import blend as vi
-    from ucm.testing.harness import CONNECTOR
+    from ucm.vllm_demo.engine_process import CONNECTOR
 
     kwargs = dict(
         model=spec["model"],
@@ -112,18 +114,18 @@ def run_child(spec: dict[str, Any], cwd: str | Path, timeout: float = 1800) -> d
     """Runs this module on ``spec`` in a new process; returns its ops by name.
 
     The child gets an offline environment with ``python/`` importable and no
-    stray ``UCM_*`` settings (:func:`ucm.testing.harness.engine_env`).
+    stray ``UCM_*`` settings (:func:`ucm.vllm_demo.engine_process.engine_env`).
     """
     import subprocess
 
-    from ucm.testing.harness import engine_env
+    from ucm.vllm_demo.engine_process import engine_env
 
     env = engine_env()
     env.pop("TRITON_INTERPRET", None)
     spec_file = Path(cwd) / f"blend-child-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_file.write_text(json.dumps(spec))  # prompts can exceed the argument limit
     proc = subprocess.run(
-        [sys.executable, "-m", "ucm.testing.vllm_child", str(spec_file)],
+        [sys.executable, str(Path(__file__).resolve()), str(spec_file)],
         capture_output=True,
         text=True,
         env=env,

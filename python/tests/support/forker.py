@@ -17,12 +17,14 @@ handlers have it build its own thread pools (a forked engine's prefill here
 used both cores, and ``test_engine_forker.py`` checks that its answers match
 an engine started in a new interpreter).
 
-Protocol: the parent starts ``python -m ucm.testing.forker`` (with the
+Protocol: the parent runs this file as a script (with the
 engine environment), which answers one ``@@UCM@@ {"ready": true}`` line.
 Each stdin line ``{"config", "log", "cwd", "socket"}`` forks an engine that
 appends its output to ``log``, connects to the Unix socket ``socket`` and
-speaks :mod:`ucm.testing.harness`'s JSON lines over it; the forker answers
+speaks :mod:`ucm.vllm_demo.engine_process`'s JSON lines over it; the forker answers
 ``{"pid": n}`` (or ``{"error": ...}``).
+
+Test and benchmark tooling (the tests' ``support`` package), not product API.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class EngineForker:
         self._log = open(log, "w")
         self._n = 0
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ucm.testing.forker"],
+            [sys.executable, str(Path(__file__).resolve())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -166,9 +168,9 @@ def _engine(req: dict[str, Any]) -> None:
         os.chdir(req["cwd"])
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(req["socket"])
-        from ucm.testing import harness
+        from ucm.vllm_demo import engine_process
 
-        harness.run_engine(req["config"], sock.makefile("r"), sock.makefile("w"))
+        engine_process.run_engine(req["config"], sock.makefile("r"), sock.makefile("w"))
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -179,10 +181,10 @@ def _engine(req: dict[str, Any]) -> None:
 
 
 def _serve() -> None:
-    from ucm.testing import harness
+    from ucm.vllm_demo import engine_process
 
-    harness.prepare_engine_child()
-    harness.import_engine_modules()
+    engine_process.prepare_engine_child()
+    engine_process.import_engine_modules()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     out = sys.stdout
     out.write(MARK + json.dumps({"ready": True}) + "\n")

@@ -4,6 +4,8 @@ The end-to-end tests, the install check and the disaggregation bench start
 the same kind of small engine: the tiny model in float32, 32-token blocks, a
 short context, a fixed KV memory, and vLLM's own prefix cache off so that
 repeats are served by UCM. They reach it over plain HTTP on loopback.
+
+Test and benchmark tooling (the tests' ``support`` package), not product API.
 """
 
 from __future__ import annotations
