@@ -122,7 +122,7 @@ def main() -> int:
             work / "dist",
             cwd=ROOT,
         )
-        (wheel,) = (work / "dist").glob("ucm-*.whl")
+        (wheel,) = (work / "dist").glob("ucm_kvcache-*.whl")
         size = next(
             n
             for n in __import__("zipfile").ZipFile(wheel).infolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 
+from ucm import __distribution__, __version__
 from ucm.cli.bench_cmd import bench
 from ucm.cli.config_cmd import config
 from ucm.cli.model_cmd import model
@@ -19,7 +20,11 @@ from ucm.cli.store_cmd import store
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="ucm", prog_name="ucm")
+# The version is the package's own, not the installed metadata's: a checkout
+# on PYTHONPATH reports what it is, whatever is installed beside it.
+@click.version_option(
+    __version__, package_name=__distribution__, prog_name="ucm", message="%(package)s %(version)s"
+)
 def main() -> None:
     """Unified Cache Manager: persists vLLM's KV cache in tiered storage and
     serves it back instead of recomputing it."""
