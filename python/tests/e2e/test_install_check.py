@@ -11,9 +11,9 @@ from support.engines import ROOT
 
 def test_wheel_installs_serves_and_maintains_from_a_new_venv() -> None:
     res = subprocess.run(
-        # The release profile is what setup.sh built already: the wheel is the
-        # same but for debug line tables, and CI skips a second full compile.
-        [sys.executable, str(ROOT / "tools" / "install_check.py"), "--profile", "release"],
+        # The dist profile, what ships: one more full compile than setup.sh's
+        # release build, the price of checking that the wheel is stripped.
+        [sys.executable, str(ROOT / "tools" / "install_check.py"), "--profile", "dist"],
         capture_output=True,
         text=True,
         timeout=1800,
@@ -21,3 +21,4 @@ def test_wheel_installs_serves_and_maintains_from_a_new_venv() -> None:
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "install check: ok" in res.stdout
     assert "store round trip ok" in res.stdout
+    assert "MB, stripped" in res.stdout

@@ -10,7 +10,9 @@
   Blend and ReRoPE hooks without vLLM (the reference the vLLM runs are
   compared with);
 * :mod:`.synthetic` -- synthetic KV and queries for the sparse tests and the
-  quality benchmark.
+  quality benchmark;
+* :mod:`.elf` -- an ELF file's section names (the install check's test that
+  the wheel's extension is stripped).
 
 Nothing in :mod:`ucm` outside this package imports it.
 """
