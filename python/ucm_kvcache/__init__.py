@@ -14,6 +14,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata as md
+import re
 import sys
 from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
@@ -33,7 +34,9 @@ def is_ours(module: ModuleType) -> bool:
 def conflict_message(module: ModuleType) -> str:
     where = getattr(module, "__file__", None) or ", ".join(getattr(module, "__path__", []))
     others = sorted(
-        d for d in md.packages_distributions().get("ucm", []) if d.lower() != DISTRIBUTION
+        d
+        for d in md.packages_distributions().get("ucm", [])
+        if re.sub(r"[-_.]+", "-", d).lower() != DISTRIBUTION
     )
     owner = f" (installed by {', '.join(others)})" if others else ""
     return (
