@@ -8,6 +8,8 @@ vLLM and torch come from the checkout's `.venv` (its site-packages is added
 to the new environment's path): vLLM's CPU build can't be installed by pip
 from its own requirements (see requirements-vllm.txt), and a second copy of
 torch would cost gigabytes. Everything of ucm itself comes from the wheel.
+Built with the dist profile (what ships, the default), its extension must be
+stripped: no debug info, no symbol table.
 
     python tools/install_check.py [--keep] [--profile release]
 """
@@ -22,14 +24,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
 
+from support.elf import section_names
 from support.tiny_serve import free_port, http, tiny_server_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / ".venv"
+#: Sections a stripped extension has none of: debug info and the symbol table.
+UNSTRIPPED = {".debug_info", ".debug_line", ".symtab"}
 
 
 def sh(*cmd: str | Path, **kw) -> subprocess.CompletedProcess[str]:
@@ -124,13 +130,17 @@ def main() -> int:
             work / "dist",
             cwd=ROOT,
         )
-        (wheel,) = (work / "dist").glob("ucm-*.whl")
-        size = next(
-            n
-            for n in __import__("zipfile").ZipFile(wheel).infolist()
-            if n.filename.endswith("_native.abi3.so")
-        ).file_size
-        print(f"wheel {wheel.name}: native module {size / 1e6:.1f} MB")
+        (wheel,) = (work / "dist").glob("ucm_kvcache-*.whl")
+        with zipfile.ZipFile(wheel) as whl:
+            (native,) = [n for n in whl.namelist() if n.endswith("_native.abi3.so")]
+            native_bytes = whl.read(native)
+        debug = sorted(n for n in section_names(native_bytes) if n in UNSTRIPPED)
+        print(
+            f"wheel {wheel.name}: native module {len(native_bytes) / 1e6:.1f} MB, "
+            + (f"not stripped ({', '.join(debug)})" if debug else "stripped")
+        )
+        if debug and args.profile == "dist":
+            raise SystemExit(f"the dist profile shipped an unstripped extension: {debug}")
         venv = work / "venv"
         sh(sys.executable, "-m", "venv", venv)
         py, ucm = venv / "bin" / "python", venv / "bin" / "ucm"
@@ -156,6 +166,9 @@ def main() -> int:
             cwd=run,
         )
         sh(ucm, "--help", cwd=run, capture_output=True)
+        version = sh(ucm, "--version", cwd=run, capture_output=True).stdout
+        if not version.startswith("ucm-kvcache "):
+            raise SystemExit(f"ucm --version names no ucm-kvcache: {version!r}")
         model = Path(
             sh(
                 py, "-m", "ucm.vllm_demo.tiny_model", work / "model", cwd=run, capture_output=True

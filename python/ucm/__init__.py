@@ -22,3 +22,8 @@ from ucm.shared.logging import init_logging
 init_logging()
 
 __version__ = "0.1.0"
+
+#: The PyPI distribution that installs this package. PyPI's ``ucm`` is an
+#: unrelated project with a top-level ``ucm`` package too; ``ucm_kvcache``
+#: tells the two apart by this attribute.
+__distribution__ = "ucm-kvcache"

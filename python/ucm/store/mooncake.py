@@ -38,8 +38,8 @@ def _import_client() -> Any:
     except ImportError as e:
         raise InvalidParamError(
             "store_pipeline: the Mooncake stage needs Mooncake's client; install it with "
-            "`pip install 'ucm[mooncake]'` (mooncake-transfer-engine-non-cuda, the TCP build; "
-            "use mooncake-transfer-engine for CUDA and RDMA) and, on Debian, "
+            "`pip install 'ucm-kvcache[mooncake]'` (mooncake-transfer-engine-non-cuda, "
+            "the TCP build; use mooncake-transfer-engine for CUDA and RDMA) and, on Debian, "
             f"`apt-get install libibverbs1` ({e})"
         ) from None
     return store
