@@ -164,15 +164,15 @@ def test_serve_completions_and_metrics(server: tuple[str, Path]) -> None:
     assert m["ucm_lookup_tokens_total"] == 2 * n_prompt
     assert m["ucm_lookup_hit_tokens_total"] == min(full * 32, n_prompt - 1)
     assert 0 < m["ucm_lookup_hit_rate"] <= 1
-    assert m["ucm_load_duration_ms_count"] >= 1 and m["ucm_load_duration_ms_sum"] > 0
-    assert m["ucm_save_duration_ms_count"] >= 1 and m["ucm_save_duration_ms_sum"] > 0
+    assert m["ucm_load_duration_seconds_count"] >= 1 and m["ucm_load_duration_seconds_sum"] > 0
+    assert m["ucm_save_duration_seconds_count"] >= 1 and m["ucm_save_duration_seconds_sum"] > 0
     assert m["ucm_load_speed_gbps"] > 0 and m["ucm_save_speed_gbps"] > 0
     assert m["ucm_load_bytes_total"] == m["ucm_save_bytes_total"] > 0
     assert m.get("ucm_load_failed_blocks_total", 0) == 0
     assert m["ucm_store_healthy"] == 1
     # Histograms have buckets.
     text = http(base + "/metrics")[1]
-    assert "ucm_load_duration_ms_bucket{" in text and 'le="+Inf"' in text
+    assert "ucm_load_duration_seconds_bucket{" in text and 'le="+Inf"' in text
 
 
 def wait_metric(base: str, name: str, at_least: float) -> dict[str, float]:
