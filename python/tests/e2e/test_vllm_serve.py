@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from support.engines import ROOT, engine_env
 
+from ucm.cli import main
 from ucm.testing.tiny_serve import free_port, http, tiny_server_args
 
 PROMPT = (
@@ -243,3 +246,28 @@ def test_the_design_documents_yaml_serves(tiny_model: Path, tmp_path: Path) -> N
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         m = wait_for_metric(base, "ucm_load_blocks_total", 1, tries=50)
         assert m.get("ucm_load_blocks_total", 0) > 0, m
+    # `ucm serve` said what it was doing, and when it was ready (once).
+    log = (tmp_path / "serve.log").read_text()
+    assert "ucm serve: loading weights" in log
+    assert log.count(f"ucm serve: ready: http://127.0.0.1:{port}/v1 (after ") == 1, log[-4000:]
+
+
+def test_the_dry_run_line_serves(tiny_model: Path, tmp_path: Path) -> None:
+    """What `ucm serve --dry-run` prints, run as it stands, serves (on
+    vLLM's CPU build the `vllm` script itself fails at start-up)."""
+    port = free_port()
+    res = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            str(tiny_model),
+            "--dry-run",
+            "--storage",
+            str(tmp_path / "kv"),
+            *tiny_server_args(port),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    cmd = shlex.split(res.output.splitlines()[-1])
+    with serving(cmd, tmp_path / "serve.log", port) as base:
+        assert complete(base)["usage"]["prompt_tokens"] >= 64
