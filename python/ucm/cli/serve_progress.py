@@ -29,11 +29,10 @@ from typing import IO
 #: ever moves forward: vLLM logs some of these twice (the API server creates
 #: the connector again after the engine is up).
 PHASES: tuple[tuple[str, str], ...] = (
-    ("non-default args", "starting the engine process (it imports torch and vLLM again)"),
+    ("non-default args", "starting the engine process, which imports torch and vLLM again"),
     ("Initializing a V1 LLM engine", "starting the model worker"),
     ("Starting to load model", "loading weights"),
-    ("Loading weights took", "sizing the KV cache"),
-    ("Warming up model", "warming up and compiling the model (the longest step on a CPU)"),
+    ("Warming up model", "warming up and compiling the model, the longest step on a CPU"),
     ("Capturing CUDA graph", "capturing CUDA graphs"),
     ("Creating v1 connector", "opening the UCM store (indexing the blocks it holds)"),
     ("init engine", "starting the API server"),
