@@ -887,11 +887,12 @@ def table(runs: list[Run], systems: list[str], points: list[str], reference: str
                     lines.append(f"- {s} (repeat {r.repeat}): " + ", ".join(figs))
                     continue
                 c, st = r.extra.get("counters", {}), r.extra.get("store", {})
-                loads = c.get("ucm_load_duration_ms_count", 0)
+                loads = c.get("ucm_load_duration_seconds_count", 0)
+                load_s = c.get("ucm_load_duration_seconds_sum", 0)
                 figs += [
                     f"loads {c.get('ucm_load_blocks_total', 0):.0f} blocks "
                     f"({c.get('ucm_load_bytes_total', 0) / 2**20:.0f} MiB, "
-                    f"{c.get('ucm_load_duration_ms_sum', 0) / max(loads, 1):.1f} ms each "
+                    f"{load_s * 1e3 / max(loads, 1):.1f} ms each "
                     f"of {loads:.0f})",
                     f"saves {c.get('ucm_save_blocks_total', 0):.0f} blocks",
                     f"lookups hit {c.get('ucm_lookup_hit_tokens_total', 0):.0f} of "

@@ -3,8 +3,10 @@ connector's messages, the early check vLLM runs as a plugin, and bench."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from click.testing import CliRunner
 from support.seed_yaml import seed_config
 
 from ucm.cli import main
-from ucm.cli.serve_cmd import build_vllm_args, cpu_kv_bytes
+from ucm.cli.serve_cmd import build_vllm_args, cpu_build, cpu_kv_bytes, vllm_command
 from ucm.integration.vllm.config import resolve_config
 from ucm.integration.vllm.plugin import check_early, transfer_config_from_argv
 from ucm.shared.config import ConfigError
@@ -65,7 +67,24 @@ def test_serve_wires_the_connector_and_a_cpu_kv_size(tmp_path: Path) -> None:
     extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert extra == {"storage_backends": "/d", "use_layerwise": True}
     res = CliRunner().invoke(main, ["serve", "m", "--dry-run", "--storage", "/d"])
-    assert res.exit_code == 0 and "vllm serve m" in res.output
+    assert res.exit_code == 0 and " serve m " in res.output
+
+
+def test_dry_run_prints_the_command_that_runs_vllm_here() -> None:
+    """The CPU build's ``vllm`` script fails before it parses anything (it
+    looks for a ``vllm`` distribution); there the line is our wrapper."""
+    res = CliRunner().invoke(main, ["serve", "m", "--dry-run"])
+    words = shlex.split(res.output.splitlines()[-1])
+    prefix = words[: words.index("serve")]
+    assert prefix == vllm_command()
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        assert cpu_build()
+        assert prefix == [sys.executable, "-m", "ucm.integration.vllm.cli"]
+    else:
+        assert prefix == ["vllm"]
+    # e2e/test_vllm_serve.py starts a server with the line.
 
 
 def test_config_check_accepts_the_design_documents_yaml(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.dry_run import dry_run_argv
 
 from ucm.cli import main
 from ucm.integration.vllm.plugin import check_early, transfer_config_from_argv
@@ -37,8 +38,7 @@ def test_ucm_serve_example(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     res = CliRunner().invoke(main, ["serve", "--dry-run", *words[2:]])
     assert res.exit_code == 0, res.output
-    (line,) = [x for x in res.output.splitlines() if x.startswith("vllm ")]
-    argv = shlex.split(line)
+    argv = dry_run_argv(res.output)
     assert argv[:3] == ["vllm", "serve", "MODEL"]
     assert argv[argv.index("--max-model-len") + 1] == "8192"
     transfer = transfer_config_from_argv(argv)
@@ -57,8 +57,7 @@ def test_ucm_serve_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     )
     assert res.exit_code == 0, res.output
     assert f"UCM_CONFIG_FILE={cfg.resolve()}" in res.output
-    (line,) = [x for x in res.output.splitlines() if x.startswith("vllm ")]
-    argv = shlex.split(line)
+    argv = dry_run_argv(res.output)
     assert transfer_config_from_argv(argv)["kv_connector_extra_config"]["use_layerwise"] is True
     assert "--kv-cache-memory-bytes" not in argv
 

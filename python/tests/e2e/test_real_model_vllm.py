@@ -83,3 +83,24 @@ def test_fresh_engine_loading_a_4k_prompt_decodes_the_cold_tokens(
     # for; which one is the quality benchmark's business).
     keys = {n.key for n in hay.needles}
     assert answer_digits(cold["text"][0]) in keys, cold["text"][0]
+
+
+def test_the_demos_question_is_answered_right(
+    real_model: Path, engines: Any, tmp_path: Path
+) -> None:
+    """The demo's prompt (one document of ~2k tokens, new notes each run,
+    and a question about its facts): vLLM on the real model answers it.
+    Three runs with different notes, as three demo runs would draw."""
+    from ucm.vllm_demo.corpus import answer_matches
+    from ucm.vllm_demo.demo import DemoModel, demo_prompts
+
+    from ucm.models import load_tokenizer
+
+    model = DemoModel(real_model, 30, 3, 64, load_tokenizer(real_model))
+    runs = [demo_prompts(model, 2048) for _ in range(3)]
+    assert len({tuple(r[0]) for r in runs}) == 3, "each run's prompt is new"
+    e = engines("demo", _config(real_model, tmp_path / "store"))
+    out = e.call(op="generate", prompts=[r[0] for r in runs], max_tokens=MAX_TOKENS)
+    for (prompt, _, _, _, expected), text in zip(runs, out["text"], strict=True):
+        assert 2048 - 64 <= len(prompt) <= 2048
+        assert answer_matches(text.strip(), expected), (expected, text)

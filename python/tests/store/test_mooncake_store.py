@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.dry_run import dry_run_argv
 from support.mooncake_server import HOST_ADDRS, MooncakeCluster
 from support.remote_helpers import SHARD, SHARDS, bid, block_data, dump, load, remote_config
 from support.remote_scenarios import ride_out_an_outage, round_trip
@@ -467,5 +468,4 @@ def test_readme_mooncake_example(mooncake: MooncakeCluster) -> None:
     assert serve_words[:3] == ["ucm", "serve", "MODEL"]
     res = CliRunner().invoke(main, ["serve", "--dry-run", *serve_words[2:]])
     assert res.exit_code == 0, res.output
-    (line,) = [x for x in res.output.splitlines() if x.startswith("vllm ")]
-    check_early(shlex.split(line))
+    check_early(dry_run_argv(res.output))

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,13 +70,41 @@ def test_prometheus_export_single_process() -> None:
     assert v["ucm_lookup_hit_tokens_total"] == 192
     assert v["ucm_lookup_hit_rate"] == 0.96
     assert v["ucm_load_blocks_total"] == 6
-    assert v["ucm_load_duration_ms_count"] == 4
-    assert v["ucm_load_duration_ms_sum"] == 8.0
+    # The stats' milliseconds are exported as seconds.
+    assert v["ucm_load_duration_seconds_count"] == 4
+    assert v["ucm_load_duration_seconds_sum"] == pytest.approx(8.0e-3)
     assert abs(v["ucm_load_speed_gbps"] - (3 << 20) / 2e-3 / 1e9) < 1e-9
     assert v["ucm_save_speed_gbps"] > 0
     assert v["ucm_store_healthy"] == 1
     assert 'model_name="tiny"' in text and "otel_scope" not in text
-    assert 'ucm_save_duration_ms_bucket{engine="0",le="1",model_name="tiny"} 2.0' in text
+    assert 'ucm_save_duration_seconds_bucket{engine="0",le="0.001",model_name="tiny"} 2.0' in text
+
+
+def test_no_exported_metric_is_in_milliseconds() -> None:
+    """Times are in seconds, as Prometheus and vLLM have them: no series
+    name says milliseconds, and every instrument is exported."""
+    registry = CollectorRegistry()
+    metrics._reset_for_tests()
+    try:
+        m = metrics.get_metrics(registry=registry)
+        m.start({"engine": "0"})
+        m.record(BATCH, {"engine": "0"})
+        text = generate_latest(registry).decode()
+    finally:
+        metrics._reset_for_tests()
+    names = {
+        fam.name for fam in text_string_to_metric_families(text) if fam.name.startswith("ucm_")
+    }
+    assert {f"ucm_{k}" for k in metrics.HISTOGRAMS} <= names
+    assert len(names) == len(metrics.COUNTERS) + len(metrics.GAUGES) + len(metrics.HISTOGRAMS)
+    assert not [n for n in names if n.endswith("_ms") or "_ms_" in n], names
+
+
+def test_duration_buckets_from_the_metrics_config() -> None:
+    assert metrics.duration_buckets({"duration_buckets_seconds": [0.01, 1]}) == [0.01, 1.0]
+    # The original UCM key, in milliseconds, still works.
+    assert metrics.duration_buckets({"duration_buckets_ms": [10, 1000]}) == [0.01, 1.0]
+    assert metrics.duration_buckets({"enabled": True}) is None
 
 
 def test_prometheus_export_multiprocess(tmp_path: Path) -> None:
@@ -106,6 +135,6 @@ def test_prometheus_export_multiprocess(tmp_path: Path) -> None:
     ).stdout
     v = values(out)
     assert v["ucm_load_blocks_total"] == 7
-    assert v["ucm_load_duration_ms_count"] == 2
-    assert v["ucm_load_duration_ms_sum"] == 10.0
+    assert v["ucm_load_duration_seconds_count"] == 2
+    assert v["ucm_load_duration_seconds_sum"] == pytest.approx(10.0e-3)
     assert v["ucm_lookup_hit_rate"] == 0.5

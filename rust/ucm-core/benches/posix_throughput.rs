@@ -1,23 +1,26 @@
-//! Posix store dump/load throughput against a same-run baseline.
+//! Posix store dump/load throughput against a same-run baseline of the
+//! same kind.
 //!
 //! For each I/O engine, O_DIRECT on and off, and shard sizes 64 KiB .. 4 MiB
 //! (plus the layer-wise shape: 1 MiB shards made of 32 tensors of 32 KiB),
 //! measures the store's dump and load GB/s and, on the same directory in the
-//! same run, plain sequential O_DIRECT pwrite/pread of the same bytes (from
-//! and into the same memory the store moves) in the same I/O size at the
-//! same queue depth (`io_threads`). Prints
-//! the ratio store/baseline at the end: the median over pairs of one store
-//! run followed by one baseline run, so slow drifts of a shared machine
-//! affect both sides of each pair alike.
+//! same run, plain sequential pwrite/pread of the same bytes (from and into
+//! the same memory the store moves) in the same I/O size at the same queue
+//! depth (`io_threads`). The baseline is of the case's kind: O_DIRECT for
+//! an O_DIRECT store, page-cache copies for a buffered one (whose loads of
+//! blocks just dumped are served from the page cache, far above what the
+//! disk gives; against an O_DIRECT baseline they would read as gains they
+//! are not). Prints the ratio store/baseline at the end: the median over
+//! pairs of one store run followed by one baseline run, so slow drifts of
+//! a shared machine affect both sides of each pair alike.
 //!
 //! The store runs at capacity, as a cache does in steady state: its
 //! `capacity_bytes` holds a few rounds, so each round's dump makes the
 //! store evict (and recycle) the blocks of an older one in the background,
 //! inside the timed period.
 //!
-//! Run: `cargo bench -p ucm-core --bench posix_throughput`
-//! (set `UCM_BENCH_DIR` to measure another file system; default: a temporary
-//! directory under the current directory's file system, i.e. the disk).
+//! Run: `cargo bench -p ucm-core --bench posix_throughput`; the options are
+//! in [`HELP`], which the bench prints first.
 
 #![allow(clippy::unwrap_used)] // benchmark code: a panic is a failed run
 
@@ -36,6 +39,17 @@ const TOTAL: usize = 128 << 20;
 const QD: usize = 4;
 /// Rounds of TOTAL bytes the store holds before it evicts.
 const CAPACITY_ROUNDS: usize = 3;
+
+/// What the bench prints before it starts.
+const HELP: &str = "\
+posix_throughput: Posix store dump/load GB/s against a same-run baseline of the same kind
+  UCM_BENCH_CASES=TEXT  run only the cases whose name contains TEXT, e.g. direct/1024
+                        (names: psync|uring / direct|buffered / 64KiB..4096KiB[x32t])
+  UCM_BENCH_DIR=DIR     measure the file system of DIR (default: ./target, the disk)
+  UCM_BENCH_VERBOSE=1   print every store/baseline pair, not only the medians
+  baselines: direct cases against plain O_DIRECT pwrite/pread, buffered cases against
+  buffered pwrite/pread (page-cache copies); same bytes, I/O size, queue depth
+";
 
 fn bench_dir() -> tempfile::TempDir {
     let parent = std::env::var_os("UCM_BENCH_DIR")
@@ -121,7 +135,12 @@ fn run_case(c: &mut Criterion, engine: IoEngineKind, direct: bool, shard: usize,
     })
     .unwrap();
     // One baseline file per case, overwritten and read again each time.
-    let baseline = Mutex::new(BaselineFile::create(dir.path(), TOTAL, shard, QD).unwrap());
+    let file = if direct {
+        BaselineFile::create(dir.path(), TOTAL, shard, QD)
+    } else {
+        BaselineFile::create_buffered(dir.path(), TOTAL, shard, QD)
+    };
+    let baseline = Mutex::new(file.unwrap());
     let mut src = AlignedBuf::new(TOTAL);
     for (i, x) in src.as_mut_slice().iter_mut().enumerate() {
         *x = (i * 131 + 7) as u8;
@@ -195,7 +214,6 @@ fn base(file: &Mutex<BaselineFile>, op: IoOp, mem: &mut AlignedBuf) -> f64 {
 }
 
 fn benches(c: &mut Criterion) {
-    // UCM_BENCH_CASES=direct/1024 (a substring of the case names) narrows the run.
     let only = std::env::var("UCM_BENCH_CASES").unwrap_or_default();
     for engine in [IoEngineKind::Psync, IoEngineKind::Uring] {
         for direct in [true, false] {
@@ -248,23 +266,22 @@ fn case_name(engine: IoEngineKind, direct: bool, shard: usize, tensors: usize) -
 criterion_group!(group, benches);
 
 fn main() {
+    print!("{HELP}");
     group();
     Criterion::default().configure_from_args().final_summary();
-    println!("\nPosix store vs plain O_DIRECT pread/pwrite, same bytes, I/O size, queue depth {QD} (GB/s, medians)");
+    println!(
+        "\nPosix store / baseline of the same kind, same bytes, I/O size, queue depth {QD} (GB/s, medians)"
+    );
+    println!("baseline: direct cases: plain O_DIRECT pwrite/pread; buffered cases: buffered pwrite/pread");
+    println!("(copies into and out of the page cache). A ratio under 1.00x is slower than its baseline.");
     println!(
         "{:<28} {:>7} {:>7} {:>7}   {:>7} {:>7} {:>7}",
         "case", "dump", "base_w", "ratio", "load", "base_r", "ratio"
     );
     for r in ROWS.lock().unwrap().iter() {
         println!(
-            "{:<28} {:>7.2} {:>7.2} {:>6.0}%   {:>7.2} {:>7.2} {:>6.0}%",
-            r.case,
-            r.dump,
-            r.base_write,
-            100.0 * r.dump_ratio,
-            r.load,
-            r.base_read,
-            100.0 * r.load_ratio
+            "{:<28} {:>7.2} {:>7.2} {:>6.2}x   {:>7.2} {:>7.2} {:>6.2}x",
+            r.case, r.dump, r.base_write, r.dump_ratio, r.load, r.base_read, r.load_ratio
         );
     }
 }

@@ -79,7 +79,8 @@ class UcmConnectorConfig:
     hash_salt: str = ""
     """Extra salt in every block id: deployments with different salts never share blocks."""
     metrics_config_path: str | None = None
-    """YAML file of metrics options (``enabled``, ``duration_buckets_ms``)."""
+    """YAML file of metrics options (``enabled``, ``duration_buckets_seconds``; the original
+    ``duration_buckets_ms`` is still accepted)."""
     ucm_sparse_config: dict[str, Any] | None = None
     """Sparse attention: ``{METHOD: {...}}``, one of ESA, GSA, KVStar, Blend, ReRoPE or a
     registered method (see :mod:`ucm.sparse.config`).
@@ -386,11 +387,12 @@ def resolve_config(
                 )
             )
         metrics = load_yaml(path, "metrics config file")
-        unknown = sorted(set(metrics) - {"enabled", "duration_buckets_ms"})
+        valid = {"enabled", "duration_buckets_seconds", "duration_buckets_ms"}
+        unknown = sorted(set(metrics) - valid)
         if unknown:
             raise ConfigError(
                 f"unknown config key {unknown[0]!r} (metrics config "
-                f"{path}); valid keys: duration_buckets_ms, enabled"
+                f"{path}); valid keys: {', '.join(sorted(valid))}"
             )
     if connector.load_only_first_rank:
         logger.warning(

@@ -115,10 +115,10 @@ class UCMPromMetrics(KVConnectorPromMetrics):
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-        buckets_ms: list[float] | None = None,
+        buckets_seconds: list[float] | None = None,
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._metrics = ucm_metrics.get_metrics(buckets_ms)
+        self._metrics = ucm_metrics.get_metrics(buckets_seconds)
         self._attrs = {
             idx: {str(k): str(v) for k, v in zip(labelnames, values, strict=False)}
             for idx, values in per_engine_labelvalues.items()
@@ -143,7 +143,7 @@ class UCMPromMetrics(KVConnectorPromMetrics):
             return None
         if not mcfg.get("enabled", True):
             return None
-        return cls(vllm_config, *vllm_args, buckets_ms=mcfg.get("duration_buckets_ms"))
+        return cls(vllm_config, *vllm_args, buckets_seconds=ucm_metrics.duration_buckets(mcfg))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         if not transfer_stats_data:

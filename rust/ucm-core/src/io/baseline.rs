@@ -1,6 +1,7 @@
 //! A same-run throughput baseline for the store benchmarks: plain
 //! sequential O_DIRECT `pread`/`pwrite` from a few threads, no engine, no
-//! store. Benchmarks print their throughput as a ratio of this number.
+//! store (or the same through the page cache, the baseline of buffered
+//! I/O). Benchmarks print their throughput as a ratio of this number.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -20,13 +21,13 @@ impl Drop for Scratch {
     }
 }
 
-fn open_direct(path: &Path) -> std::io::Result<File> {
+fn open_scratch(path: &Path, direct: bool) -> std::io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(true)
-        .custom_flags(libc::O_DIRECT)
+        .custom_flags(if direct { libc::O_DIRECT } else { 0 })
         .open(path)
 }
 
@@ -71,6 +72,11 @@ pub fn baseline_direct_io(
 /// Keeping one file across measurements keeps the file system's own work
 /// (creating, freeing and, on `-o discard` mounts, discarding 100+ MiB)
 /// out of the measurements of whatever runs next.
+///
+/// [`BaselineFile::create_buffered`] makes the same file without O_DIRECT:
+/// its writes are copies into the page cache and its reads, of a file just
+/// written, copies out of it. That is the baseline of buffered store I/O,
+/// which an O_DIRECT baseline would flatter by the page cache's speed.
 pub struct BaselineFile {
     file: File,
     _scratch: Scratch,
@@ -82,12 +88,33 @@ pub struct BaselineFile {
 }
 
 impl BaselineFile {
-    /// Creates and preallocates the scratch file in `dir`.
+    /// Creates and preallocates the scratch file in `dir` (O_DIRECT).
     pub fn create(
         dir: &Path,
         total_bytes: usize,
         io_size: usize,
         queue_depth: usize,
+    ) -> std::io::Result<Self> {
+        Self::create_as(dir, total_bytes, io_size, queue_depth, true)
+    }
+
+    /// Like [`BaselineFile::create`], but its I/O goes through the page
+    /// cache.
+    pub fn create_buffered(
+        dir: &Path,
+        total_bytes: usize,
+        io_size: usize,
+        queue_depth: usize,
+    ) -> std::io::Result<Self> {
+        Self::create_as(dir, total_bytes, io_size, queue_depth, false)
+    }
+
+    fn create_as(
+        dir: &Path,
+        total_bytes: usize,
+        io_size: usize,
+        queue_depth: usize,
+        direct: bool,
     ) -> std::io::Result<Self> {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let io_size = align_up(io_size.max(1));
@@ -99,7 +126,7 @@ impl BaselineFile {
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         ));
-        let file = open_direct(&path)?;
+        let file = open_scratch(&path, direct)?;
         let scratch = Scratch(path);
         let len = libc::off_t::try_from(file_len)
             .map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))?;
@@ -264,6 +291,21 @@ mod tests {
         assert!(src[..] == dst[..]);
         let mut short = AlignedBuf::new(1 << 20);
         assert!(f.measure_mem(IoOp::Read, &mut short).is_err());
+        drop(f);
+        assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 0);
+    }
+
+    #[test]
+    fn buffered_baseline_moves_the_same_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut f = BaselineFile::create_buffered(dir.path(), 4 << 20, 1 << 20, 2).expect("create");
+        assert!(f.measure(IoOp::Read).expect("read") > 0.0);
+        let mut src = AlignedBuf::new(4 << 20);
+        fill(&mut src, 3);
+        let mut dst = AlignedBuf::new(4 << 20);
+        assert!(f.measure_mem(IoOp::Write, &mut src).expect("write") > 0.0);
+        assert!(f.measure_mem(IoOp::Read, &mut dst).expect("read") > 0.0);
+        assert!(src[..] == dst[..]);
         drop(f);
         assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 0);
     }
