@@ -273,7 +273,9 @@ fn main() {
         "\nPosix store / baseline of the same kind, same bytes, I/O size, queue depth {QD} (GB/s, medians)"
     );
     println!("baseline: direct cases: plain O_DIRECT pwrite/pread; buffered cases: buffered pwrite/pread");
-    println!("(copies into and out of the page cache). A ratio under 1.00x is slower than its baseline.");
+    println!(
+        "(copies into and out of the page cache). A ratio under 1.00x is slower than its baseline."
+    );
     println!(
         "{:<28} {:>7} {:>7} {:>7}   {:>7} {:>7} {:>7}",
         "case", "dump", "base_w", "ratio", "load", "base_r", "ratio"
