@@ -431,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["ref", "vllm"], default="ref")
     ap.add_argument("--vllm", action="store_true", help="same as --backend vllm")
-    ap.add_argument("--work-dir", type=Path, help="vllm: model and store directory")
+    ap.add_argument(
+        "--work-dir", type=lambda p: Path(p).absolute(), help="vllm: model and store directory"
+    )
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--question", type=int, default=64)

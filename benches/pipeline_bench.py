@@ -228,7 +228,12 @@ def median(results: list[dict[str, float]], key: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", type=Path, default=Path("target"), help="parent of the scratch dir")
+    ap.add_argument(
+        "--dir",
+        type=lambda p: Path(p).absolute(),
+        default=Path("target").absolute(),
+        help="parent of the scratch dir",
+    )
     ap.add_argument("--mib", type=int, default=256, help="MiB moved per measurement")
     ap.add_argument("--shard-kib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)

@@ -460,7 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerope-lengths", type=int, nargs="+", default=[4096, 7680])
     ap.add_argument("--rerope-needles", type=int, help="needles per ReRoPE length (8; --quick: 3)")
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
+    ap.add_argument(
+        "--work",
+        type=lambda p: Path(p).absolute(),
+        help="work directory (default: a temporary one)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = ap.parse_args(argv)

@@ -117,7 +117,11 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    work = args.work or tempfile.mkdtemp(prefix="ucm-sparse-bench-")
+    work = (
+        str(Path(args.work).absolute())
+        if args.work
+        else tempfile.mkdtemp(prefix="ucm-sparse-bench-")
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT / "python"), env.get("PYTHONPATH")) if p

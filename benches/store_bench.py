@@ -190,7 +190,12 @@ def main() -> None:
         runpy.run_path(str(PIPELINE_BENCH), run_name="__main__")
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", type=Path, default=Path("target"), help="parent of the scratch dir")
+    ap.add_argument(
+        "--dir",
+        type=lambda p: Path(p).absolute(),
+        default=Path("target").absolute(),
+        help="parent of the scratch dir",
+    )
     ap.add_argument("--mib", type=int, default=128, help="MiB moved per measurement")
     ap.add_argument("--engines", default="psync,uring")
     ap.add_argument("--durability", action="store_true", help="the cost of data/full syncs")

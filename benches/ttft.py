@@ -369,7 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--io-direct", action="store_true", help="O_DIRECT store I/O")
     ap.add_argument("--no-disk", action="store_true", help="skip the loads from a cold disk")
-    ap.add_argument("--dir", type=Path, default=None, help="store directory (default: temp)")
+    ap.add_argument(
+        "--dir",
+        type=lambda p: Path(p).absolute(),
+        default=None,
+        help="store directory (default: temp)",
+    )
     ap.add_argument("--model-dir", type=Path, default=REPO / ".ucm-demo" / "bench-model")
     ap.add_argument("--repeat", type=int, default=2, help="fresh engines per load measurement")
     ap.add_argument(
