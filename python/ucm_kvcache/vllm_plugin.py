@@ -20,16 +20,17 @@ UCM_WORDS = ("UCMConnector", "ucm.integration")
 
 
 def check_early(argv: Sequence[str] | None = None) -> None:
-    argv = sys.argv if argv is None else argv
     try:
         check_ucm()
     except ForeignUcmError as e:
-        if any(word in arg for arg in argv for word in UCM_WORDS):
+        if any(word in arg for arg in (sys.argv if argv is None else argv) for word in UCM_WORDS):
             raise SystemExit(f"UCM install error: {e}") from None
         guard_imports(str(e))
         return
     from ucm.integration.vllm.plugin import check_early as check_config
 
+    # Passed on as given: with no argv, the check also looks for the config
+    # of an offline ``LLM(...)`` that is loading the plugins.
     check_config(argv)
 
 
