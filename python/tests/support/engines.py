@@ -33,11 +33,14 @@ def record_reference(engine: Engine, world: dict[str, Any], max_tokens: int) -> 
 
 
 def run_check_script(script: Path, *args: str, cwd: Path, timeout: float) -> dict[str, Any]:
-    """Runs an engine check script in a child process (``python/`` importable,
-    no stray ``UCM_*`` settings); returns the JSON of its ``@@RESULT@@`` line."""
+    """Runs an engine check script in a child process (``python/`` and the
+    tests' ``support`` importable, no stray ``UCM_*`` settings); returns the
+    JSON of its ``@@RESULT@@`` line."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "python"), env.get("PYTHONPATH")) if p
+        p
+        for p in (str(ROOT / "python"), str(ROOT / "python" / "tests"), env.get("PYTHONPATH"))
+        if p
     )
     for k in [k for k in env if k.startswith("UCM_")]:
         del env[k]
