@@ -129,8 +129,10 @@ def _die_with_parent() -> None:
 
 def run_with_progress(cmd: list[str], url: str, env: dict[str, str]) -> int:
     """Runs ``cmd`` (a vLLM server reached at ``url``) with its output
-    passed through :class:`Progress`; returns its exit status. Ctrl-C and
-    SIGTERM are passed on to it, and ucm waits for it to stop."""
+    passed through :class:`Progress`; returns its exit status. vLLM stays in
+    ucm's process group, so what is sent to the group (a terminal's Ctrl-C, a
+    supervisor's ``kill -- -PGID``, SIGKILL included) reaches it as sent;
+    a SIGTERM sent to ucm alone is passed on, and ucm waits for it to stop."""
     progress = Progress(url, sys.stdout)
     progress.say(f"starting vLLM; the API will be at {url}/v1")
     proc = subprocess.Popen(
@@ -138,7 +140,6 @@ def run_with_progress(cmd: list[str], url: str, env: dict[str, str]) -> int:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
-        start_new_session=True,  # a terminal's Ctrl-C reaches vLLM once, from us
         preexec_fn=_die_with_parent,
     )
 
@@ -146,8 +147,11 @@ def run_with_progress(cmd: list[str], url: str, env: dict[str, str]) -> int:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
+    signal.signal(signal.SIGTERM, forward)
+    # A terminal's Ctrl-C reaches vLLM from the terminal (same group): sent
+    # again from here it would be a second Ctrl-C, which vLLM's server takes
+    # as "quit now".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def poll() -> None:
         while proc.poll() is None and not progress.ready:
