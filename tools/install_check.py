@@ -158,7 +158,8 @@ def main() -> int:
             "-c",
             (
                 "import numpy as np; import ucm.store\n"
-                "s = ucm.store.open({'storage_backends': 'kv-test', 'block_size': 4096})\n"
+                "s = ucm.store.open({'storage_backends': "
+                f"{str(run / 'kv-test')!r}, 'block_size': 4096}})\n"
                 "a = np.arange(4096, dtype=np.uint8); b = np.zeros_like(a)\n"
                 "s.wait(s.dump([b'k' * 16], [0], [[a]])); s.wait(s.load([b'k' * 16], [0], [[b]]))\n"
                 "assert (a == b).all(); s.close(); print('store round trip ok')"
