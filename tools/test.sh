@@ -30,4 +30,4 @@ step "ruff check"
 ruff check python benches tools
 ruff format --check python benches tools
 step "pytest"
-python -m pytest -q python/tests "$@"
+python -m pytest -q --durations=30 python/tests "$@"

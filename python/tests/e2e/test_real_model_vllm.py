@@ -91,10 +91,9 @@ def test_the_demos_question_is_answered_right(
     """The demo's prompt (one document of ~2k tokens, new notes each run,
     and a question about its facts): vLLM on the real model answers it.
     Three runs with different notes, as three demo runs would draw."""
+    from ucm.models import load_tokenizer
     from ucm.vllm_demo.corpus import answer_matches
     from ucm.vllm_demo.demo import DemoModel, demo_prompts
-
-    from ucm.models import load_tokenizer
 
     model = DemoModel(real_model, 30, 3, 64, load_tokenizer(real_model))
     runs = [demo_prompts(model, 2048) for _ in range(3)]
