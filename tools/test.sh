@@ -7,7 +7,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export PATH="$ROOT/.venv/bin:$PATH"
 
-step() { printf '\n=== %s\n' "$*" >&2; }
+# Each step prints the seconds since this script started (setup included),
+# so a slow CI run shows where its time went.
+step() { printf '\n=== [%ss] %s\n' "$SECONDS" "$*" >&2; }
 
 # Disk is the resource CI machines run short of; say how much there is.
 step "disk"
@@ -31,3 +33,4 @@ ruff check python benches tools
 ruff format --check python benches tools
 step "pytest"
 python -m pytest -q --durations=30 python/tests "$@"
+step "done"
