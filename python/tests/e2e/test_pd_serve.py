@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation on real servers: the README's P/D commands
+"""Prefill/decode disaggregation on real servers: the docs' P/D commands
 (``ucm serve --kv-role producer|consumer`` with ``configs/ucm-vllm-pd.yaml``,
 ``ucm proxy``) with the tiny model, on 127.0.0.1.
 
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.docs import blocks_with
 from support.engines import ROOT, engine_env
 from support.tiny_serve import free_port, http, tiny_server_args
 
-README = (ROOT / "README.md").read_text()
 WORDS = (
     "cache block store prefix token layer engine decode prefill shared disk memory key value "
     "request answer model prompt load save"
@@ -38,10 +38,9 @@ WORDS = (
 
 
 def readme_pd_block() -> list[list[str]]:
-    """The README's P/D bash block, as the words of each command."""
-    blocks = [b.split("```", 1)[0] for b in README.split("```bash\n")[1:]]
-    (block,) = [b for b in blocks if "--kv-role producer" in b]
-    lines = block.replace("\\\n", " ").splitlines()
+    """The P/D bash block of ``docs/user-guide/pd.md``, as the words of each command."""
+    (block,) = blocks_with("bash", "--kv-role producer")
+    lines = block.code.replace("\\\n", " ").splitlines()
     words = [[w for w in shlex.split(line, comments=True) if w != "&"] for line in lines]
     return [w for w in words if w]
 
@@ -108,7 +107,7 @@ def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     py = [sys.executable, "-m", "ucm"]
 
     def engine(words: list[str], port: int) -> list[str]:
-        # The README's command for the tiny model: its options after the
+        # The docs' command for the tiny model: its options after the
         # model, but this test's port and small sizes.
         i = words.index("--port")
         opts = words[3:i] + words[i + 2 :]

@@ -158,7 +158,7 @@ def test_esa_8k_offload_shrinks_device_kv(tmp_path: Path, request: pytest.Fixtur
 
 @needs_vllm
 def test_readme_user_method(tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """The README's user-method example runs as it stands: its own file and a
+    """The sparse page's user-method example runs as it stands: its own file and a
     registration, no other change; the bridge installs its attention hooks."""
     r = _run_child("readme", tmp_path, request)
     dense = r["dense"]
@@ -171,6 +171,6 @@ def test_readme_user_method(tmp_path: Path, request: pytest.FixtureRequest) -> N
             "alloc_wrapped": False,
             "agent": False,
         }
-    # The README's window: the prefill is dense (same first tokens), decode is sparse.
+    # The example's window: the prefill is dense (same first tokens), decode is sparse.
     assert [t[0] for t in r["readme"]] == [t[0] for t in dense]
     assert r["readme"] != dense

@@ -15,9 +15,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from support.docs import blocks_with
 
 ROOT = Path(__file__).resolve().parents[3]
-README = (ROOT / "README.md").read_text()
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 #: The virtual environment the README's lines install into.
 README_VENV = "~/ucm-cpu"
@@ -25,9 +25,10 @@ OPT_IN = "UCM_TEST_INSTALL"
 
 
 def cpu_install_lines() -> list[str]:
-    blocks = [b.split("```", 1)[0] for b in README.split("```bash\n")[1:]]
-    (block,) = [b for b in blocks if b.startswith("tools/install_cpu.sh")]
-    return block.strip().splitlines()
+    """The README's lines; the install page repeats them exactly."""
+    found = {b.code for b in blocks_with("bash", starting="tools/install_cpu.sh")}
+    assert len(found) == 1, "the README and docs/install.md differ"
+    return found.pop().strip().splitlines()
 
 
 def test_the_readme_lines_install_then_check_one_environment() -> None:

@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from support.docs import text as docs_text
+
 import ucm
 import ucm_kvcache
 
@@ -49,5 +51,5 @@ def test_the_documented_wheel_build_is_the_stripped_profile() -> None:
     assert cargo["profile"]["dist"]["strip"] is True
     assert cargo["profile"]["dist"].get("debug", 0) in (0, False)
     assert PYPROJECT["tool"]["maturin"]["profile"] == "dist"
-    builds = re.findall(r"^maturin build.*$", (ROOT / "README.md").read_text(), re.M)
+    builds = re.findall(r"^maturin build.*$", docs_text(), re.M)
     assert builds and all("--profile dist" in b and "--release" not in b for b in builds), builds

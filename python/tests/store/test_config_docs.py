@@ -1,33 +1,42 @@
-"""The README's config key tables are generated from the core's key
+"""The config reference's key tables are generated from the core's key
 declarations; they must not drift."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ucm.store.config_doc import main, replaced
+from ucm.store.config_doc import BEGIN, main, replaced
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+ROOT = Path(__file__).resolve().parents[3]
+REFERENCE = ROOT / "docs" / "config-reference.md"
 
 
-def test_readme_key_tables_match_the_core() -> None:
-    text = README.read_text()
+def test_reference_key_tables_match_the_core() -> None:
+    text = REFERENCE.read_text()
     assert replaced(text) == text, (
-        "README.md's config key tables are stale: "
-        "run `python -m ucm.store.config_doc --write README.md`"
+        "docs/config-reference.md's config key tables are stale: "
+        "run `python -m ucm.store.config_doc --write docs/config-reference.md`"
     )
-    assert main(["--check", str(README)]) == 0
+    assert main(["--check", str(REFERENCE)]) == 0
+
+
+def test_the_tables_live_on_one_page_only() -> None:
+    """The README keeps a short table of the main keys; the generated
+    tables are the config reference's alone."""
+    from support.docs import pages
+
+    assert [p for p in pages() if BEGIN in p.read_text()] == [REFERENCE]
 
 
 def test_check_fails_on_a_stale_table(tmp_path: Path) -> None:
-    stale = tmp_path / "README.md"
-    stale.write_text(README.read_text().replace("| `io_threads` |", "| `io_thread` |"))
+    stale = tmp_path / "config-reference.md"
+    stale.write_text(REFERENCE.read_text().replace("| `io_threads` |", "| `io_thread` |"))
     assert main(["--check", str(stale)]) == 1
     assert main(["--write", str(stale)]) == 0
     assert main(["--check", str(stale)]) == 0
 
 
-CONFIGS = README.parent / "configs"
+CONFIGS = ROOT / "configs"
 
 
 def test_every_shipped_config_example_is_valid() -> None:

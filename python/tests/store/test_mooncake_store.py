@@ -421,7 +421,7 @@ ROUND_TRIP = textwrap.dedent(
 
 
 def test_readme_mooncake_example(mooncake: MooncakeCluster) -> None:
-    """The README's Mooncake commands as they stand (the address and the
+    """The Mooncake page's commands as they stand (the address and the
     pool's size aside): its master and store service start, an engine
     host's store opened from ``configs/ucm-vllm-mooncake.yaml`` with
     ``MOONCAKE_MASTER`` round-trips blocks through them, and its
@@ -429,14 +429,13 @@ def test_readme_mooncake_example(mooncake: MooncakeCluster) -> None:
     import shlex
 
     from click.testing import CliRunner
+    from support.docs import blocks_with
 
     from ucm.cli import main
     from ucm.integration.vllm.plugin import check_early
 
-    readme = (ROOT / "README.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in readme.split("```bash\n")[1:]]
-    (block,) = [b for b in blocks if "mooncake_master" in b]
-    lines = [shlex.split(x) for x in block.splitlines() if x and not x.startswith("#")]
+    (block,) = blocks_with("bash", "mooncake_master")
+    lines = [shlex.split(x) for x in block.code.splitlines() if x and not x.startswith("#")]
     master, service, serve = (w[:-1] if w[-1] == "&" else w for w in lines)
     addr = "10.0.0.5"
 

@@ -223,7 +223,7 @@ def test_four_processes_with_one_capacity_keep_the_directory_within_it(tmp_path:
 
 def test_the_smallest_capacity_bounds_a_shared_directory(tmp_path: Path) -> None:
     """Stores with different capacities on one directory: the directory
-    stays within the smallest of them (the README says so)."""
+    stays within the smallest of them (the guarantees say so)."""
     root = tmp_path / "store"
     root.mkdir()
     small = StoreProcess(base_config(root, posix_capacity_gb=capacity_gb(10)))

@@ -102,7 +102,7 @@ def test_address_matrix_shape_is_checked(make_store) -> None:
 
 
 def test_missing_directory_is_created_private_or_named(tmp_path: Path) -> None:
-    # As the README's example writes it: the directory does not exist yet.
+    # As the quick start's example writes it: the directory does not exist yet.
     missing = tmp_path / "data" / "kvcache"
     store = UcmConnectorFactory.create_connector("UcmPipelineStore", base_config(missing))
     store.close()

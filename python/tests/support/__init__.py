@@ -18,6 +18,7 @@
   Blend and ReRoPE hooks without vLLM;
 * :mod:`.synthetic` -- synthetic KV and queries for the sparse methods;
 * :mod:`.store_debug` -- debug hooks of the built-in stores.
+* :mod:`.docs` -- the README and the docs site's pages, and their code blocks.
 
 Engines in child processes (:mod:`ucm.vllm_demo.engine_process`), tiny
 models and generated texts are in the product: its demo runs them. The

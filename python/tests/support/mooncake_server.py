@@ -68,7 +68,7 @@ class MooncakeCluster:
         service_cmd: list[str] | None = None,
     ) -> None:
         """``master_cmd`` / ``service_cmd``: other command lines for the two
-        servers (the README's), run on the first host as they are."""
+        servers (the Mooncake page's), run on the first host as they are."""
         why = missing_requirements()
         if why:
             raise FileNotFoundError(why)
