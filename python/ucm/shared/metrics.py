@@ -29,6 +29,10 @@ Instruments (Prometheus names)::
                                                   handed-over blocks (0: there at once;
                                                   about handover_timeout_s: timed out)
 
+The P/D router, ``ucm proxy``, serves series of its own (``ucm_proxy_*``:
+requests, phase times, engine errors) on its own ``/metrics``; they are
+listed in :mod:`ucm.integration.vllm.proxy_metrics`.
+
 Times are exported in seconds, as Prometheus and vLLM name and measure
 them; the connector's stats carry milliseconds, converted when recorded.
 
