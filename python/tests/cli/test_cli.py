@@ -136,7 +136,16 @@ def test_bench_reports_the_store_against_the_disk(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [], "the scratch directory stays"
 
 
+def _proxy_series() -> set[str]:
+    """The sample names ``ucm proxy`` serves on its /metrics."""
+    from ucm.integration.vllm.proxy_metrics import ProxyMetrics
+
+    return {s.name for fam in ProxyMetrics().registry.collect() for s in fam.samples}
+
+
 def test_grafana_dashboard_uses_only_metrics_ucm_exports() -> None:
+    """Every series the dashboard names is one the engines' connector or
+    ``ucm proxy`` exports, and the P/D series are all on it."""
     import re
 
     from ucm.shared.metrics import COUNTERS, GAUGES, HISTOGRAMS
@@ -146,9 +155,52 @@ def test_grafana_dashboard_uses_only_metrics_ucm_exports() -> None:
         {f"ucm_{k}_total" for k in COUNTERS}
         | {f"ucm_{k}" for k in GAUGES}
         | {f"ucm_{k}_bucket" for k in HISTOGRAMS}
+        | _proxy_series()
     )
     used = {
-        m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"ucm_\w+", t["expr"])
+        m
+        for p in dash["panels"]
+        for t in p.get("targets", [])
+        for m in re.findall(r"ucm_\w+", t["expr"])
     }
     assert used and used <= exported, used - exported
     assert {f"ucm_{k}" for k in GAUGES} <= used
+    pd = {f"ucm_{k}_total" for k in COUNTERS if k.startswith("handover_")}
+    pd |= {f"ucm_{k}_bucket" for k in HISTOGRAMS if k.startswith("handover_")}
+    proxy = {
+        "ucm_proxy_requests_total",
+        "ucm_proxy_requests_in_flight",
+        "ucm_proxy_engine_errors_total",
+        *(
+            f"ucm_proxy_{k}_bucket"
+            for k in (
+                "prefill_duration_seconds",
+                "decode_first_byte_seconds",
+                "decode_duration_seconds",
+                "request_duration_seconds",
+            )
+        ),
+    }
+    assert pd | proxy <= used, (pd | proxy) - used
+
+
+def test_grafana_dashboard_panels_are_laid_out_apart() -> None:
+    """Unique ids, one data source, and no two panels on the same cells."""
+    dash = json.loads((Path(__file__).parents[3] / "configs" / "grafana-ucm.json").read_text())
+    panels = dash["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(set(ids)) == len(ids), ids
+    for p in panels:
+        if p["type"] != "row":
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+            assert [t["refId"] for t in p["targets"]] == [
+                chr(ord("A") + i) for i in range(len(p["targets"]))
+            ]
+    cells: dict[tuple[int, int], str] = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, (p["title"], cells.get((x, y)))
+                cells[(x, y)] = p["title"]

@@ -3,83 +3,26 @@ a body nested too deeply is refused with 400, and the P/D fields of
 ``kv_transfer_params`` are the proxy's own (a client's are dropped, its
 per-request controls kept).
 
-The real proxy runs as ``python -m ucm proxy`` in front of two fake engines:
-HTTP servers on 127.0.0.1 that answer as a prefill and a decode engine do
-and record every request body they get.
+The real proxy runs as ``python -m ucm proxy`` in front of two fake engines
+(``support.pd_proxy``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
-import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.pd_proxy import HANDOVER, FakeEngine, running_proxy
 from support.tiny_serve import free_port, http
 
 from ucm.integration.vllm.proxy import CLIENT_KV_PARAMS, MAX_JSON_DEPTH
 from ucm.integration.vllm.request_control import KEYS as REQUEST_CONTROL_KEYS
-
-HANDOVER = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "ucm_blocks": 2,
-    "ucm_tail_tokens": 3,
-    "ucm_last_block": "ab" * 16,
-}
-
-
-@dataclass
-class FakeEngine:
-    """An OpenAI completions server that records the bodies it gets."""
-
-    role: str
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def answer(self, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self.answer({"object": "list", "data": []})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                engine.bodies.append(body)
-                out: dict[str, Any] = {"choices": [{"text": engine.role, "index": 0}]}
-                if engine.role == "prefill":
-                    out["kv_transfer_params"] = HANDOVER
-                self.answer(out)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @dataclass
@@ -93,28 +36,11 @@ class Proxy:
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     prefill, decode = FakeEngine("prefill"), FakeEngine("decode")
-    port = free_port()
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    argv = [sys.executable, "-m", "ucm", "proxy", "--prefill", prefill.url]
-    argv += ["--decode", decode.url, "--port", str(port), "--health-interval", "1"]
-    env = {**os.environ, "UNIFIED_CACHE_LOG_LEVEL": "DEBUG"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while http(url + "/health", timeout=5)[0] != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"ucm proxy did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
-        yield Proxy(url, log, prefill, decode)
+        with running_proxy(prefill.url, decode.url, free_port(), log) as url:
+            yield Proxy(url, log, prefill, decode)
     finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         prefill.close()
         decode.close()
 

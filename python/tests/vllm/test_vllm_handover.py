@@ -83,6 +83,46 @@ def test_decode_waits_for_the_handed_over_prompt_and_loads_all_of_it(
     d.close()
 
 
+def test_handovers_are_counted_and_timed_and_their_loads_measured(tmp_path: Path) -> None:
+    """The prefill side counts the handover it answered; the decode side the
+    one it received (once, however often it looks up), how long it waited
+    for the blocks, and the bytes it loaded of them, which a plain request's
+    load is not counted in."""
+    p = Side(tmp_path / "p")
+    d = Side(tmp_path / "d")
+    toks = tokens(3 * BS + 5, 16)
+    _, params = prefill(p, "p1", toks, [4, 7, 2, 9])
+    stats = p.sched.get_kv_connector_stats()
+    assert stats is not None and stats.data["handover_answered"] == 1
+    req = PDRequest("d1", list(toks), kv_transfer_params=dict(params))
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.2)
+    assert d.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    shutil.copytree(tmp_path / "p", tmp_path / "d", dirs_exist_ok=True)
+    assert d.admit(req, [1, 3, 5, 6]) == len(toks) - 1
+    d.step(sched_output(new=[("d1", len(toks) - 1, 1)]))
+    stats = d.sched.get_kv_connector_stats()
+    assert stats is not None
+    assert stats.data["handover_received"] == 1
+    (waited_ms,) = stats.data["handover_waits_ms"]
+    assert 200 <= waited_ms < 60_000
+    loads = d.worker.get_kv_connector_stats()
+    assert loads is not None and loads.data["load_blocks"] == 4
+    assert loads.data["handover_load_bytes"] == loads.data["load_bytes"] > 0
+
+    # The same prompt without a handover: loaded, but no handover of it.
+    plain = PDRequest("d2", list(toks))
+    assert d.admit(plain, [10, 11, 12, 13]) == 3 * BS
+    d.step(sched_output(new=[("d2", 3 * BS, len(toks) - 3 * BS)]))
+    stats = d.sched.get_kv_connector_stats()
+    assert stats is None or not {"handover_received", "handover_waits_ms"} & set(stats.data)
+    loads = d.worker.get_kv_connector_stats()
+    assert loads is not None and loads.data["load_blocks"] == 3
+    assert "handover_load_bytes" not in loads.data
+    p.close()
+    d.close()
+
+
 def test_handover_through_a_mooncake_pool(mooncake: Any) -> None:
     """The same handover with both engines' stores in a Mooncake pool: the
     prefill side's answer names the blocks the pool holds, and the decode
@@ -132,6 +172,9 @@ def test_the_wait_is_bounded_and_counted(tmp_path: Path) -> None:
     assert d.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # no second wait
     stats = d.sched.get_kv_connector_stats()
     assert stats is not None and stats.data["handover_timeouts"] == 1
+    assert stats.data["handover_received"] == 1
+    (waited_ms,) = stats.data["handover_waits_ms"]  # once, when it timed out
+    assert 200 <= waited_ms < 60_000
     p.close()
     d.close()
 

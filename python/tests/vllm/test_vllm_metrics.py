@@ -27,6 +27,9 @@ BATCH = {
     "save_bytes": 1 << 20,
     "save_busy_ms": 1.0,
     "save_durations_ms": [1.0],
+    "handover_received": 1,
+    "handover_waits_ms": [1500.0],
+    "handover_load_bytes": 2 << 20,
     "store_healthy": 1,
 }
 
@@ -50,6 +53,7 @@ def test_stats_aggregate_and_reduce() -> None:
     r = a.reduce()
     assert r["lookup_hit_rate"] == 0.96
     assert r["load_avg_ms"] == round(7.0 / 3, 3)
+    assert r["handover_wait_avg_ms"] == 1500.0 and r["handover_received"] == 1
     assert not a.is_empty()
     assert UCMKVConnectorStats(data={"store_healthy": 1}).is_empty()
     assert merge_stats({}, {"x": 1}) == {"x": 1}
@@ -73,6 +77,10 @@ def test_prometheus_export_single_process() -> None:
     # The stats' milliseconds are exported as seconds.
     assert v["ucm_load_duration_seconds_count"] == 4
     assert v["ucm_load_duration_seconds_sum"] == pytest.approx(8.0e-3)
+    assert v["ucm_handover_wait_seconds_count"] == 2
+    assert v["ucm_handover_wait_seconds_sum"] == pytest.approx(3.0)
+    assert v["ucm_handover_received_total"] == 2
+    assert v["ucm_handover_load_bytes_total"] == 4 << 20
     assert abs(v["ucm_load_speed_gbps"] - (3 << 20) / 2e-3 / 1e9) < 1e-9
     assert v["ucm_save_speed_gbps"] > 0
     assert v["ucm_store_healthy"] == 1

@@ -49,6 +49,8 @@ def proxy(
 ) -> None:
     """Route /v1/completions and /v1/chat/completions to a prefill engine,
     then a decode engine that loads the prompt's KV from the shared store.
+    GET /metrics serves the proxy's requests, phase times and engine errors
+    in Prometheus text format.
 
     Example: `ucm proxy --prefill http://p1:8100 --decode http://d1:8200,http://d2:8200`
     """

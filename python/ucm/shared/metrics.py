@@ -19,6 +19,19 @@ Instruments (Prometheus names)::
     ucm_handover_timeouts_total        counter    P/D: handed-over blocks not there in time
     ucm_handover_mismatches_total      counter    P/D: handed-over blocks of another deployment
     ucm_handover_save_failures_total   counter    P/D: prefill answers leaving out failed saves
+    ucm_handover_received_total        counter    P/D decode: requests that came with a
+                                                  prefill engine's handover
+    ucm_handover_answered_total        counter    P/D prefill: requests answered with a
+                                                  handover (blocks in the store)
+    ucm_handover_load_bytes_total      counter    P/D decode: bytes loaded of handed-over
+                                                  blocks (also in ucm_load_bytes_total)
+    ucm_handover_wait_seconds          histogram  P/D decode: a request's wait for its
+                                                  handed-over blocks (0: there at once;
+                                                  about handover_timeout_s: timed out)
+
+The P/D router, ``ucm proxy``, serves series of its own (``ucm_proxy_*``:
+requests, phase times, engine errors) on its own ``/metrics``; they are
+listed in :mod:`ucm.integration.vllm.proxy_metrics`.
 
 Times are exported in seconds, as Prometheus and vLLM name and measure
 them; the connector's stats carry milliseconds, converted when recorded.
@@ -84,6 +97,10 @@ COUNTERS: dict[str, str] = {
     "another deployment (model, salt, block size); the prompt was computed",
     "handover_save_failures": "P/D prefill requests whose answer left out blocks that failed "
     "to save (the decode engine computes them)",
+    "handover_received": "P/D decode requests that came with a prefill engine's handover",
+    "handover_answered": "P/D prefill requests answered with a handover (blocks in the store)",
+    "handover_load_bytes": "P/D bytes loaded of blocks a prefill engine handed over "
+    "(counted in load_bytes too)",
 }
 #: Histogram name: (the stats key of its observations, in milliseconds; description).
 HISTOGRAMS: dict[str, tuple[str, str]] = {
@@ -91,6 +108,10 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
     "save_duration_seconds": (
         "save_durations_ms",
         "Duration of one save, submit to completion, in seconds",
+    ),
+    "handover_wait_seconds": (
+        "handover_waits_ms",
+        "P/D decode: a request's wait for the blocks a prefill engine handed over, in seconds",
     ),
 }
 GAUGES: dict[str, str] = {

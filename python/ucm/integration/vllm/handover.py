@@ -162,12 +162,14 @@ def _is_int(v: Any) -> bool:
 
 class HandoverWaits:
     """Decode engine: since when each request waits for handed-over blocks,
-    and which requests waited in vain (they compute what is missing)."""
+    which requests waited in vain (they compute what is missing), and how
+    long each wait took."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._since: dict[str, float] = {}
         self._gave_up: set[str] = set()
+        self._ended: set[str] = set()
 
     def wait(self, req_id: str) -> bool | None:
         """True: wait on (ask again later); False: the wait timed out now;
@@ -178,13 +180,23 @@ class HandoverWaits:
         since = self._since.setdefault(req_id, now)
         if now - since < self.timeout_s:
             return True
-        self._since.pop(req_id, None)
         self._gave_up.add(req_id)
         return False
+
+    def ended(self, req_id: str) -> float | None:
+        """Seconds the request waited, when its wait ends now (0.0: the
+        blocks were there at once); None when it ended before, so a request
+        looked up again (preempted) is measured once."""
+        if req_id in self._ended:
+            return None
+        self._ended.add(req_id)
+        since = self._since.get(req_id)
+        return 0.0 if since is None else time.monotonic() - since
 
     def forget(self, req_id: str) -> None:
         self._since.pop(req_id, None)
         self._gave_up.discard(req_id)
+        self._ended.discard(req_id)
 
 
 @dataclass
@@ -207,6 +219,8 @@ class Handovers:
         self._plans: dict[str, _PrefillPlan] = {}
         self._tail_loads: dict[str, bytes] = {}  # req -> key of the handed-over tail block
         self._waits = HandoverWaits(timeout_s)
+        # req -> whether the blocks a prefill engine handed over are this engine's
+        self._received: dict[str, bool] = {}
 
     # -- decode engine ---------------------------------------------------------
     def expected_keys(self, request: Any, ids: list[bytes], namespace: str) -> list[bytes] | None:
@@ -218,6 +232,9 @@ class Handovers:
         keys = handover.expected_keys(
             ids, request.prompt_token_ids or [], namespace, self.block_size
         )
+        if request.request_id not in self._received:
+            self.stats.add(handover_received=1)
+        self._received[request.request_id] = keys is not None
         if keys is None:
             logger.warning(
                 "request %s: the prefill engine's blocks are not this engine's (another "
@@ -226,6 +243,11 @@ class Handovers:
             )
             self.stats.add(handover_mismatches=1)
         return keys
+
+    def loads_handover(self, req_id: str) -> bool:
+        """Whether the request's loads are of blocks a prefill engine handed
+        over (counted as such by the workers)."""
+        return self._received.get(req_id, False)
 
     @staticmethod
     def stored_tail(
@@ -248,7 +270,8 @@ class Handovers:
         """Whether the lookup of a request that found ``found`` of its
         ``expected`` blocks (and ``tail``) asks again later instead of
         computing the rest: until the blocks are all there or the wait
-        times out (logged and counted once)."""
+        times out (logged and counted once). The wait's length is recorded
+        once, when it ends."""
         # A prefill answer may name fewer blocks than the prompt has
         # (saves that failed are left out); a tail comes only after all.
         has_tail = len(expected) > len(ids)
@@ -256,6 +279,9 @@ class Handovers:
         waiting = None if complete else self._waits.wait(req_id)
         if waiting:
             return True
+        waited = self._waits.ended(req_id)
+        if waited is not None:
+            self.stats.add(handover_waits_ms=[waited * 1e3])
         if waiting is False:
             logger.warning(
                 "request %s: the prefill engine's %d block(s) were not all in the store "
@@ -359,8 +385,13 @@ class Handovers:
             )
             self.stats.add(handover_save_failures=1)
         if tail is not None:
-            return Handover(full, plan.prompt_tokens % B, tail).params()
-        return Handover(found, 0, keys[found - 1]).params() if found else None
+            handover = Handover(full, plan.prompt_tokens % B, tail)
+        elif found:
+            handover = Handover(found, 0, keys[found - 1])
+        else:
+            return None
+        self.stats.add(handover_answered=1)
+        return handover.params()
 
     # -- both ------------------------------------------------------------------
     def forget(self, req_id: str) -> None:
@@ -368,6 +399,7 @@ class Handovers:
         self._plans.pop(req_id, None)
         self._tail_loads.pop(req_id, None)
         self._waits.forget(req_id)
+        self._received.pop(req_id, None)
 
 
 __all__ = [

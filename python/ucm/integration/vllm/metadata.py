@@ -25,6 +25,9 @@ class ReqTransfer:
     handover: bool = False
     """P/D prefill engine: the prompt is complete after this step; the workers
     wait for the request's saves before the step ends (see :mod:`.handover`)."""
+    handover_load: bool = False
+    """P/D decode engine: ``load_keys`` are blocks a prefill engine handed
+    over (their bytes are counted as the handover's too)."""
 
 
 @dataclass

@@ -24,8 +24,11 @@ cannot be reached (down, killed mid-request, slower than
 ``prefill_timeout_s``) is not an error: the request goes to a decode engine
 without a handover and is computed there (logged, and marked by the
 response header ``x-ucm-prefill: skipped``). Background health checks (``/health``)
-keep engines that are down out of the rotation. Built on aiohttp (server
-and client), which vLLM already depends on.
+keep engines that are down out of the rotation. ``GET /metrics`` serves the
+proxy's own series in Prometheus text format (:mod:`.proxy_metrics`): the
+requests by outcome, those in flight, the time of each phase and of the
+whole request, and the engines' errors. Built on aiohttp (server and
+client), which vLLM already depends on.
 """
 
 # Why the routing is ours: aiohttp, the framework this already uses, does
@@ -34,7 +37,7 @@ and client), which vLLM already depends on.
 # has no reverse-proxy handler (hop-by-hop headers are dropped by hand,
 # _SKIP_HEADERS), no upstream pools or health checks, and Request.json() is
 # a plain json.loads with no nesting limit (MAX_JSON_DEPTH). Those and the
-# P/D routing are the 270 lines from Pool to run.
+# P/D routing are the 310 lines from Pool to run.
 
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +53,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ucm.integration.vllm.proxy_metrics import DecodePhase, ProxyMetrics
 from ucm.integration.vllm.request_control import KEYS as REQUEST_CONTROL_KEYS
 from ucm.shared.logging import get_logger
 
@@ -127,6 +132,7 @@ class PDProxy:
         self.prefill = Pool("prefill", config.prefill)
         self.decode = Pool("decode", config.decode)
         self.fallbacks = 0
+        self.metrics = ProxyMetrics()
         self._session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
 
@@ -136,6 +142,7 @@ class PDProxy:
             app.router.add_post(route, self.handle)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics_page)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -185,6 +192,12 @@ class PDProxy:
         ok = all(any(p.healthy.values()) for p in (self.prefill, self.decode))
         return web.json_response(status, status=200 if ok else 503)
 
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        # Set as a header: the content type carries a version and a charset,
+        # which aiohttp's content_type argument refuses.
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
     async def models(self, request: web.Request) -> web.StreamResponse:
         try:
             return await self._forward(self.decode, request, "GET", None)
@@ -192,6 +205,21 @@ class PDProxy:
             return _error(502, str(e))
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """One completion request, counted and timed whatever becomes of it."""
+        start = time.monotonic()
+        self.metrics.in_flight.inc()
+        decode = DecodePhase()
+        status = 500  # an exception escaping the routing counts as an error
+        try:
+            resp = await self._route(request, decode)
+            status = resp.status
+            return resp
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.request_done(status, decode.cut_off, time.monotonic() - start)
+
+    async def _route(self, request: web.Request, decode: DecodePhase) -> web.StreamResponse:
+        """The prefill, then the decode engine's answer (``decode``: its timing)."""
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -213,17 +241,24 @@ class PDProxy:
             body["kv_transfer_params"] = controls
         else:
             body.pop("kv_transfer_params", None)
+        prefill_start = time.monotonic()
         prefill = await self._prefill(request, body, request_id)
+        self.metrics.prefill_duration.observe(time.monotonic() - prefill_start)
         if isinstance(prefill, web.Response):
             return prefill  # the prefill engine's error, passed through
         decode_body = dict(body)
         if prefill is not None:
             decode_body["kv_transfer_params"] = {**controls, **prefill}
         extra = {"x-ucm-prefill": "skipped"} if prefill is None else {}
+        decode.start = time.monotonic()
         try:
-            return await self._forward(self.decode, request, "POST", decode_body, request_id, extra)
+            resp = await self._forward(
+                self.decode, request, "POST", decode_body, request_id, extra, decode
+            )
         except _Unreachable as e:
             return _error(502, str(e))
+        self.metrics.decode_done(decode)
+        return resp
 
     async def _prefill(
         self, request: web.Request, body: dict[str, Any], request_id: str
@@ -261,8 +296,10 @@ class PDProxy:
                     return params if isinstance(params, dict) else None
             except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError) as e:
                 self.prefill.healthy[url] = False
+                self.metrics.engine_error("prefill")
                 logger.warning("prefill engine %s failed (%s); trying another", url, _why(e))
         self.fallbacks += 1
+        self.metrics.prefill_fallbacks.inc()
         logger.warning(
             "request %s: no prefill engine answered; the decode engine computes the prompt",
             request_id,
@@ -277,9 +314,11 @@ class PDProxy:
         body: dict[str, Any] | None,
         request_id: str | None = None,
         extra_headers: dict[str, str] | None = None,
+        phase: DecodePhase | None = None,
     ) -> web.StreamResponse:
         """The request on the first engine of ``pool`` that answers; its
-        answer (status, headers, body or stream) passed back as it comes."""
+        answer (status, headers, body or stream) passed back as it comes,
+        its first byte, end and any break-off noted in ``phase``."""
         assert self._session is not None
         errors = []
         for url in pool.order():
@@ -292,6 +331,7 @@ class PDProxy:
                 )
             except (TimeoutError, aiohttp.ClientError) as e:
                 pool.healthy[url] = False
+                self.metrics.engine_error(pool.role)
                 errors.append(f"{url}: {_why(e)}")
                 continue
             async with upstream:
@@ -303,11 +343,18 @@ class PDProxy:
                 await resp.prepare(request)
                 try:
                     async for chunk in upstream.content.iter_any():
+                        if phase is not None and phase.first_byte is None:
+                            phase.first_byte = time.monotonic()
                         await resp.write(chunk)
                 except (TimeoutError, aiohttp.ClientError) as e:
                     # Headers are gone already: all that is left is to end the stream.
                     logger.warning("%s engine %s failed mid-answer: %s", pool.role, url, _why(e))
                     pool.healthy[url] = False
+                    self.metrics.engine_error(pool.role)
+                    if phase is not None:
+                        phase.cut_off = True
+                if phase is not None:
+                    phase.end = time.monotonic()
                 await resp.write_eof()
                 return resp
         raise _Unreachable(f"no {pool.role} engine answered ({'; '.join(errors)})")

@@ -388,6 +388,7 @@ class UCMSchedulerSide:
             t.load_into = vblocks[load_start:b]
             st.pending_load = None
             st.last_load = (load_start, b)
+            t.handover_load = self.handovers.loads_handover(req_id)
         self.extension.extend_transfer(t, load_start, vblocks)
         save_idx = [i for i in save_idx if i < len(vblocks)]
         if save_idx:

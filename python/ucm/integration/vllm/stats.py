@@ -23,7 +23,13 @@ from ucm.integration.vllm.config import resolve_config
 from ucm.shared import metrics as ucm_metrics
 from ucm.shared.logging import get_logger
 
-LIST_KEYS = ("load_durations_ms", "save_durations_ms")
+LIST_KEYS = ("load_durations_ms", "save_durations_ms", "handover_waits_ms")
+#: The key of each list's average in :meth:`UCMKVConnectorStats.reduce`.
+AVERAGE_KEYS = {
+    "load_durations_ms": "load_avg_ms",
+    "save_durations_ms": "save_avg_ms",
+    "handover_waits_ms": "handover_wait_avg_ms",
+}
 FLOAT_KEYS = ("load_busy_ms", "save_busy_ms")
 MIN_KEYS = ("store_healthy",)
 MAX_KEYS = ("store_degraded",)
@@ -92,14 +98,16 @@ class UCMKVConnectorStats(KVConnectorStats):
             "handover_timeouts",
             "handover_mismatches",
             "handover_save_failures",
+            "handover_received",
+            "handover_answered",
         ):
             if d.get(k):
                 out[k] = d[k]
         for k, v in ucm_metrics.derived_gauges(d).items():
             out[k] = round(v, 4)
-        for k in LIST_KEYS:
+        for k, avg in AVERAGE_KEYS.items():
             if d.get(k):
-                out[k.replace("durations_ms", "avg_ms")] = round(sum(d[k]) / len(d[k]), 3)
+                out[avg] = round(sum(d[k]) / len(d[k]), 3)
         return out
 
     def is_empty(self) -> bool:

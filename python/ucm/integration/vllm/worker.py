@@ -139,6 +139,7 @@ class UCMWorkerSide:
         self._load_errors: set[int] = set()
         self._load_part = slice(None)  # the blocks of each request _submit_loads loads
         self._load_failed_reqs: set[int] = set()
+        self._handover_loads: set[str] = set()  # requests loading handed-over blocks
         # Save state.
         self._save_plan: list[tuple[str, list[bytes], list[int]]] = []
         self._handover_reqs: set[str] = set()
@@ -210,6 +211,7 @@ class UCMWorkerSide:
         self._save_plan = []
         self._load_reqs = []
         self._handover_reqs = {t.req_id for t in meta.requests if t.handover}
+        self._handover_loads = {t.req_id for t in meta.requests if t.handover_load}
         for t in meta.requests:
             if t.save_keys:
                 self.saves.expect(t.req_id)
@@ -427,10 +429,11 @@ class UCMWorkerSide:
                 "layer-wise" if self.layerwise else "whole-step",
             )
         if blocks:
-            self.stats.add(
-                load_blocks=blocks,
-                load_bytes=blocks * len(self.layout.layers) * self.layout.shard_bytes,
-            )
+            block_bytes = len(self.layout.layers) * self.layout.shard_bytes
+            handed = sum(len(r[1]) for r in ok if r[0] in self._handover_loads)
+            self.stats.add(load_blocks=blocks, load_bytes=blocks * block_bytes)
+            if handed:
+                self.stats.add(handover_load_bytes=handed * block_bytes)
             if self.store is not None:
                 self.store.report_success()
         self._load_reqs = []
