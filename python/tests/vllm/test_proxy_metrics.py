@@ -9,27 +9,10 @@ import threading
 import time
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-from support.pd_proxy import FakeEngine, running_proxy
+from support.pd_proxy import FakeEngine, running_proxy, scrape, value
 from support.tiny_serve import free_port, http
 
 REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 4}
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The proxy's ``ucm_proxy_*`` samples: (name, sorted labels) -> value."""
-    status, text = http(url + "/metrics")
-    assert status == 200, text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name.startswith("ucm_proxy_")
-    }
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 def test_metrics_count_and_time_requests_through_both_engines(tmp_path: Path) -> None:
