@@ -24,9 +24,11 @@ cannot be reached (down, killed mid-request, slower than
 ``prefill_timeout_s``) is not an error: the request goes to a decode engine
 without a handover and is computed there (logged, and marked by the
 response header ``x-ucm-prefill: skipped``). Background health checks (``/health``)
-keep engines that are down out of the rotation. ``GET /metrics`` serves the
-proxy's own series in Prometheus text format (:mod:`.proxy_metrics`): the
-requests by outcome, those in flight, the time of each phase and of the
+keep engines that are down out of the rotation. A client that hangs up
+mid-answer is not an engine's fault: the proxy closes the engine's connection
+(the engine aborts the request) and the engine stays in the rotation.
+``GET /metrics`` serves the proxy's own series in Prometheus text format
+(:mod:`.proxy_metrics`): the requests by outcome, those in flight, the time of each phase and of the
 whole request, and the engines' errors. Built on aiohttp (server and
 client), which vLLM already depends on.
 """
@@ -37,7 +39,7 @@ client), which vLLM already depends on.
 # has no reverse-proxy handler (hop-by-hop headers are dropped by hand,
 # _SKIP_HEADERS), no upstream pools or health checks, and Request.json() is
 # a plain json.loads with no nesting limit (MAX_JSON_DEPTH). Those and the
-# P/D routing are the 310 lines from Pool to run.
+# P/D routing are the 350 lines from Pool to run.
 
 from __future__ import annotations
 
@@ -216,7 +218,7 @@ class PDProxy:
             return resp
         finally:
             self.metrics.in_flight.dec()
-            self.metrics.request_done(status, decode.cut_off, time.monotonic() - start)
+            self.metrics.request_done(status, decode, time.monotonic() - start)
 
     async def _route(self, request: web.Request, decode: DecodePhase) -> web.StreamResponse:
         """The prefill, then the decode engine's answer (``decode``: its timing)."""
@@ -318,7 +320,7 @@ class PDProxy:
     ) -> web.StreamResponse:
         """The request on the first engine of ``pool`` that answers; its
         answer (status, headers, body or stream) passed back as it comes,
-        its first byte, end and any break-off noted in ``phase``."""
+        its first byte, end and any break-off or hang-up noted in ``phase``."""
         assert self._session is not None
         errors = []
         for url in pool.order():
@@ -340,24 +342,67 @@ class PDProxy:
                     if k.lower() not in _SKIP_HEADERS:
                         resp.headers[k] = v
                 resp.headers.update(extra_headers or {})
-                await resp.prepare(request)
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        if phase is not None and phase.first_byte is None:
-                            phase.first_byte = time.monotonic()
-                        await resp.write(chunk)
-                except (TimeoutError, aiohttp.ClientError) as e:
-                    # Headers are gone already: all that is left is to end the stream.
-                    logger.warning("%s engine %s failed mid-answer: %s", pool.role, url, _why(e))
-                    pool.healthy[url] = False
-                    self.metrics.engine_error(pool.role)
+                if await self._relay(request, resp, upstream, pool, url, phase):
+                    await resp.write_eof()
+                else:
+                    # Closed, not released: the rest of the answer is not
+                    # read, and the engine, seeing its reader go, aborts the
+                    # request instead of computing it for no one.
+                    upstream.close()
                     if phase is not None:
-                        phase.cut_off = True
+                        phase.client_gone = True
+                    logger.info(
+                        "request %s: the client hung up mid-answer; dropped %s engine %s's answer",
+                        request_id,
+                        pool.role,
+                        url,
+                    )
                 if phase is not None:
                     phase.end = time.monotonic()
-                await resp.write_eof()
                 return resp
         raise _Unreachable(f"no {pool.role} engine answered ({'; '.join(errors)})")
+
+    async def _relay(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        pool: Pool,
+        url: str,
+        phase: DecodePhase | None,
+    ) -> bool:
+        """Passes the answer of ``pool``'s engine at ``url`` on to the client
+        as it comes; False if the client hung up before its end.
+
+        A failed read is the engine's fault: it leaves the rotation until a
+        health check finds it up, and the answer ends where it broke off. A
+        failed write is the client's going, which says nothing of the engine.
+        """
+        try:
+            await resp.prepare(request)
+        except (ConnectionError, aiohttp.ClientError):
+            return False
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (TimeoutError, aiohttp.ClientError) as e:
+                # Headers are gone already: all that is left is to end the stream.
+                logger.warning("%s engine %s failed mid-answer: %s", pool.role, url, _why(e))
+                pool.healthy[url] = False
+                self.metrics.engine_error(pool.role)
+                if phase is not None:
+                    phase.cut_off = True
+                return True
+            if not chunk:
+                return True
+            if phase is not None and phase.first_byte is None:
+                phase.first_byte = time.monotonic()
+            try:
+                await resp.write(chunk)
+            except (ConnectionError, aiohttp.ClientError):
+                # aiohttp >= 3.10 raises ClientConnectionResetError (a
+                # ClientError), older ones ConnectionResetError.
+                return False
 
 
 def _client_controls(params: dict[str, Any] | None, request_id: str) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Series::
 
     ucm_proxy_requests_total{outcome}        counter    requests answered; outcome: ok (2xx,
                                                         complete), client_error (4xx), error
-                                                        (5xx, no engine, answer cut off)
+                                                        (5xx, no engine, answer cut off),
+                                                        client_gone (the client hung up
+                                                        before the answer's end)
     ucm_proxy_requests_in_flight             gauge      requests being routed now
     ucm_proxy_prefill_duration_seconds       histogram  prefill phase: until a prefill engine
                                                         answered (or none could)
@@ -43,7 +45,7 @@ from prometheus_client.exposition import generate_latest
 LATENCY_BUCKETS_SECONDS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600,
 )  # fmt: skip
-OUTCOMES = ("ok", "client_error", "error")
+OUTCOMES = ("ok", "client_error", "error", "client_gone")
 ROLES = ("prefill", "decode")
 PREFIX = "ucm_proxy_"
 
@@ -51,12 +53,13 @@ PREFIX = "ucm_proxy_"
 @dataclass
 class DecodePhase:
     """When one request's decode phase began, got its first byte and ended,
-    and whether the engine broke its answer off."""
+    and whether the engine broke its answer off or the client hung up."""
 
     start: float = field(default_factory=time.monotonic)
     first_byte: float | None = None
     end: float | None = None
     cut_off: bool = False
+    client_gone: bool = False
 
 
 class ProxyMetrics:
@@ -113,9 +116,13 @@ class ProxyMetrics:
         for role in ROLES:
             self.engine_errors.labels(role=role)
 
-    def request_done(self, status: int, cut_off: bool, seconds: float) -> None:
-        """One request answered with ``status`` (``cut_off``: its answer was broken off)."""
-        if cut_off or status >= 500:
+    def request_done(self, status: int, phase: DecodePhase, seconds: float) -> None:
+        """One request answered with ``status``, its decode phase ``phase``."""
+        # A client that hung up is neither an engine's error nor the client's
+        # (it may just have had enough): counted apart, so it does not page.
+        if phase.client_gone:
+            outcome = "client_gone"
+        elif phase.cut_off or status >= 500:
             outcome = "error"
         elif status >= 400:
             outcome = "client_error"
