@@ -1290,9 +1290,13 @@ fn a_write_back_stores_the_checksum_computed_at_dump_time() {
         armed: AtomicBool::new(true),
         changed: Mutex::new(None),
     });
+    // Shared: a segment's loads check every shard (a private tier trusts
+    // its own memory; its write-back is what this test is about).
     let cache = CacheStore::open(
         CacheConfig {
             write_back_policy: WriteBackPolicy::Sync,
+            share_buffer_enable: true,
+            unique_id: uid("changed-while-written"),
             ..cfg(64)
         },
         backend.clone(),
