@@ -185,3 +185,41 @@ def test_info_at_scale_reads_no_block_it_does_not_need(tmp_path: Path) -> None:
     assert calls >= n, calls
     code, out = run("verify", "--dir", str(root))
     assert code == 0 and f"{n} of {n} block(s) verified, 0 corrupt" in out, out
+
+
+def json_of(*args: str) -> dict:
+    """``python -m ucm store ARGS --format json``: its stdout, parsed."""
+    res = subprocess.run(
+        [sys.executable, "-m", "ucm", "store", *args, "--format", "json"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout)
+
+
+def test_ls_gc_and_clear_answer_in_json(tmp_path: Path) -> None:
+    """Every ``ucm store`` command takes ``--format json``: one document on
+    stdout, what a command that removes says on stderr."""
+    ids = fill(tmp_path, 3)
+    doc = json_of("ls", str(tmp_path))
+    assert doc["location"] == str(tmp_path)
+    assert sorted(b["id"] for b in doc["blocks"]) == sorted(i.hex() for i in ids)
+    assert all(b["bytes"] > 0 and b["age_s"] >= 0 for b in doc["blocks"])
+
+    path = block_path(tmp_path, ids[0])
+    path.write_bytes(path.read_bytes()[:100])  # truncated: gc removes it
+    doc = json_of("gc", str(tmp_path), "--yes")
+    # The corrupt block, and the spare files the filling store left.
+    assert sorted(p["kind"] for p in doc["planned"]) == ["corrupt", "work"], doc
+    assert doc["removed"]["corrupt"]["items"] == 1 and not path.exists()
+
+    doc = json_of("clear", str(tmp_path), "--dry-run")
+    assert doc["dry_run"] and doc["removed"] is None and len(doc["planned"]) == 2
+    assert all(block_path(tmp_path, i).exists() for i in ids[1:]), "a dry run removed blocks"
+
+    doc = json_of("clear", str(tmp_path), "--yes")
+    assert doc["removed"]["block"]["items"] == 2 and doc["failed"] == []
+    assert not any(block_path(tmp_path, i).exists() for i in ids[1:])

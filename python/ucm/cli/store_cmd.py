@@ -291,12 +291,20 @@ def info(config: str | None, directory: str | None, ages: bool, fmt: str) -> Non
 @store.command(name="ls")
 @where
 @click.option("--limit", type=int, default=None, help="At most this many blocks (newest first).")
-def ls_(config: str | None, directory: str | None, limit: int | None) -> None:
+@output_format
+def ls_(config: str | None, directory: str | None, limit: int | None, fmt: str) -> None:
     """Every block: id, bytes, age (newest first)."""
     t = Target(config, directory)
     now = time.time()
-    rows = sorted(t.maint.blocks(), key=lambda b: -b[2])
-    for bid, size, mtime in rows[:limit]:
+    rows = sorted(t.maint.blocks(), key=lambda b: -b[2])[:limit]
+    if fmt == "json":
+        listed = [
+            {"id": bid.hex(), "bytes": size, "age_s": round(now - mtime, 3)}
+            for bid, size, mtime in rows
+        ]
+        click.echo(json.dumps({**t.about(), "blocks": listed}, indent=2))
+        return
+    for bid, size, mtime in rows:
         click.echo(f"{bid.hex()}  {size:>12}  {now - mtime:10.0f} s")
 
 
@@ -432,15 +440,53 @@ def verify(
         sys.exit(1)
 
 
+def removal_doc(
+    t: Target, plan: Any, outcome: dict[str, Any] | None, dry_run: bool
+) -> dict[str, Any]:
+    """The JSON document of a command that removes: what the plan held,
+    what it left alone and, unless a dry run, what went."""
+    gone = None
+    if outcome is not None:
+        gone = {
+            kind: dict(zip(("items", "files", "bytes"), removed(outcome, kind), strict=True))
+            for kind in outcome["removed"]
+        }
+    return {
+        **t.about(),
+        "dry_run": dry_run,
+        "planned": [
+            {"item": label, "bytes": size, "kind": kind, "files": files, "detail": detail}
+            for label, size, kind, files, detail in plan.items()
+        ],
+        "left": [{"item": label, "why": why} for label, why in plan.kept()],
+        "removed": gone,
+        "failed": []
+        if outcome is None
+        else [{"item": i, "error": e} for i, e in outcome["failed"]],
+    }
+
+
+def run_removal(t: Target, plan: Any, dry_run: bool, yes: bool, fmt: str) -> dict[str, Any] | None:
+    """:func:`carry_out`, its lines on stderr when the answer is JSON (then
+    printed on stdout)."""
+    json_out = fmt == "json"
+    say: Say = (lambda s: click.echo(s, err=True)) if json_out else click.echo
+    outcome = carry_out(t, plan, dry_run, yes, say)
+    if json_out:
+        click.echo(json.dumps(removal_doc(t, plan, outcome, dry_run), indent=2))
+    return outcome
+
+
 @store.command()
 @where
 @removing
-def gc(config: str | None, directory: str | None, dry_run: bool, yes: bool) -> None:
+@output_format
+def gc(config: str | None, directory: str | None, dry_run: bool, yes: bool, fmt: str) -> None:
     """Remove what stopped stores left (their work directories, abandoned
     temporaries) and the corrupt blocks (every block verified)."""
     t = Target(config, directory)
-    outcome = carry_out(t, plan_of(t.maint.start_plan_gc()), dry_run, yes, click.echo)
-    if outcome is not None:
+    outcome = run_removal(t, plan_of(t.maint.start_plan_gc()), dry_run, yes, fmt)
+    if outcome is not None and fmt == "text":
         c, w, tmp = removed(outcome, "corrupt"), removed(outcome, "work"), removed(outcome, "temp")
         click.echo(
             f"removed {c[0]} corrupt block(s), {w[1]} file(s) in {w[0]} work "
@@ -452,10 +498,11 @@ def gc(config: str | None, directory: str | None, dry_run: bool, yes: bool) -> N
 @store.command()
 @where
 @removing
-def clear(config: str | None, directory: str | None, dry_run: bool, yes: bool) -> None:
+@output_format
+def clear(config: str | None, directory: str | None, dry_run: bool, yes: bool, fmt: str) -> None:
     """Remove every block (each checked to be a ucm block file first)."""
     t = Target(config, directory)
-    outcome = carry_out(t, plan_of(t.maint.start_plan_clear()), dry_run, yes, click.echo)
-    if outcome is not None:
+    outcome = run_removal(t, plan_of(t.maint.start_plan_clear()), dry_run, yes, fmt)
+    if outcome is not None and fmt == "text":
         n, _, size = removed(outcome, "block")
         click.echo(f"removed {n} block(s) ({size} bytes)")
