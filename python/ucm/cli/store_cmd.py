@@ -191,6 +191,14 @@ def removing(f: Any) -> Any:
     )(f)
 
 
+def say_for(fmt: str) -> Say:
+    """Where a command's lines go: stderr when stdout carries the JSON
+    document, else stdout."""
+    if fmt == "json":
+        return lambda s: click.echo(s, err=True)
+    return click.echo
+
+
 def output_format(f: Any) -> Any:
     return click.option(
         "--format",
@@ -406,7 +414,7 @@ def verify(
     t = Target(config, directory)
     report = plan_of(t.maint.start_verify())
     json_out = fmt == "json"
-    say: Say = (lambda s: click.echo(s, err=True)) if json_out else click.echo
+    say = say_for(fmt)
     failures = report["failures"]
     if not json_out:
         for bid, err, _ in failures:
@@ -469,10 +477,8 @@ def removal_doc(
 def run_removal(t: Target, plan: Any, dry_run: bool, yes: bool, fmt: str) -> dict[str, Any] | None:
     """:func:`carry_out`, its lines on stderr when the answer is JSON (then
     printed on stdout)."""
-    json_out = fmt == "json"
-    say: Say = (lambda s: click.echo(s, err=True)) if json_out else click.echo
-    outcome = carry_out(t, plan, dry_run, yes, say)
-    if json_out:
+    outcome = carry_out(t, plan, dry_run, yes, say_for(fmt))
+    if fmt == "json":
         click.echo(json.dumps(removal_doc(t, plan, outcome, dry_run), indent=2))
     return outcome
 

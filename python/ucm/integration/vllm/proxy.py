@@ -297,8 +297,7 @@ class PDProxy:
                     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
                     return params if isinstance(params, dict) else None
             except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError) as e:
-                self.prefill.healthy[url] = False
-                self.metrics.engine_error("prefill")
+                self._engine_failed(self.prefill, url)
                 logger.warning("prefill engine %s failed (%s); trying another", url, _why(e))
         self.fallbacks += 1
         self.metrics.prefill_fallbacks.inc()
@@ -332,8 +331,7 @@ class PDProxy:
                     headers=_headers(request, request_id),
                 )
             except (TimeoutError, aiohttp.ClientError) as e:
-                pool.healthy[url] = False
-                self.metrics.engine_error(pool.role)
+                self._engine_failed(pool, url)
                 errors.append(f"{url}: {_why(e)}")
                 continue
             async with upstream:
@@ -362,6 +360,12 @@ class PDProxy:
                 return resp
         raise _Unreachable(f"no {pool.role} engine answered ({'; '.join(errors)})")
 
+    def _engine_failed(self, pool: Pool, url: str) -> None:
+        """Takes ``pool``'s engine at ``url`` out of the rotation until a
+        health check finds it up, and counts the error."""
+        pool.healthy[url] = False
+        self.metrics.engine_error(pool.role)
+
     async def _relay(
         self,
         request: web.Request,
@@ -388,8 +392,7 @@ class PDProxy:
             except (TimeoutError, aiohttp.ClientError) as e:
                 # Headers are gone already: all that is left is to end the stream.
                 logger.warning("%s engine %s failed mid-answer: %s", pool.role, url, _why(e))
-                pool.healthy[url] = False
-                self.metrics.engine_error(pool.role)
+                self._engine_failed(pool, url)
                 if phase is not None:
                     phase.cut_off = True
                 return True

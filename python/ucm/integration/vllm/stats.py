@@ -23,13 +23,14 @@ from ucm.integration.vllm.config import resolve_config
 from ucm.shared import metrics as ucm_metrics
 from ucm.shared.logging import get_logger
 
-LIST_KEYS = ("load_durations_ms", "save_durations_ms", "handover_waits_ms")
-#: The key of each list's average in :meth:`UCMKVConnectorStats.reduce`.
+#: The keys holding lists, each with the key of its average in
+#: :meth:`UCMKVConnectorStats.reduce`.
 AVERAGE_KEYS = {
     "load_durations_ms": "load_avg_ms",
     "save_durations_ms": "save_avg_ms",
     "handover_waits_ms": "handover_wait_avg_ms",
 }
+LIST_KEYS = tuple(AVERAGE_KEYS)
 FLOAT_KEYS = ("load_busy_ms", "save_busy_ms")
 MIN_KEYS = ("store_healthy",)
 MAX_KEYS = ("store_degraded",)
