@@ -11,7 +11,7 @@ torch would cost gigabytes. Everything of ucm itself comes from the wheel.
 Built with the dist profile (what ships, the default), its extension must be
 stripped: no debug info, no symbol table.
 
-    python tools/install_check.py [--keep] [--profile release]
+    python tools/install_check.py [--keep] [--profile release] [--features F]
 """
 
 from __future__ import annotations
@@ -117,6 +117,11 @@ def main() -> int:
             "tools/setup.sh made, instead of compiling every dependency again)"
         ),
     )
+    ap.add_argument(
+        "--features",
+        default="",
+        help="Cargo features of the wheel (the tests pass setup.sh's own, to reuse its build)",
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ucm-install-check-"))
     try:
@@ -126,6 +131,7 @@ def main() -> int:
             "--profile",
             args.profile,
             "-q",
+            *(["--features", args.features] if args.features else []),
             "-o",
             work / "dist",
             cwd=ROOT,

@@ -35,6 +35,11 @@ ruff format --check python benches tools
 # turns into a failure, and a broken link would pass.
 step "docs site (mkdocs build --strict: broken links fail)"
 mkdocs build --strict --site-dir "$(mktemp -d)"
+# Two processes (pytest-xdist), a test file each at a time: most of an
+# end-to-end test is one thread (starting an engine, importing vLLM), so two
+# of them share two cores well. Per file, so that a module's engines and
+# servers start once. Arguments go to pytest: `-n 0` runs every test in
+# one process, `-k NAME` picks tests.
 step "pytest"
-python -m pytest -q --durations=30 python/tests "$@"
+python -m pytest -q -n 2 --dist loadfile --durations=30 python/tests "$@"
 step "done"

@@ -13,6 +13,7 @@ The CPU attention backend of vLLM needs ``head_dim`` in {32, 64, 80, 96, 112,
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import random
 from dataclasses import asdict, dataclass
@@ -93,14 +94,27 @@ def make_tiny_llama(out: str | Path, spec: TinyModelSpec | None = None) -> Path:
 
     Reuses ``out`` when it already holds a model made from the same spec.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     spec = spec or TinyModelSpec()
     out = Path(out)
     stamp = out / "ucm_tiny_model.json"
     if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes making the same model at once (parallel test workers) take
+    # turns: one writes it, the others find its stamp. Without the lock one
+    # could rewrite the files while another's engine reads them.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
+            return out
+        _write_tiny_llama(spec, out, stamp)
+    return out
+
+
+def _write_tiny_llama(spec: TinyModelSpec, out: Path, stamp: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     out.mkdir(parents=True, exist_ok=True)
     _make_tokenizer(spec, out)
     cfg = LlamaConfig(
@@ -128,7 +142,6 @@ def make_tiny_llama(out: str | Path, spec: TinyModelSpec | None = None) -> Path:
                 p.normal_(0.0, 0.06)
     model.save_pretrained(str(out), safe_serialization=True)
     stamp.write_text(json.dumps(asdict(spec)))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
