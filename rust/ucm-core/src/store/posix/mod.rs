@@ -39,6 +39,7 @@ mod open;
 pub mod scan;
 mod spare;
 mod table;
+mod table_memory;
 mod temp;
 mod tree;
 mod trust;

@@ -17,6 +17,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::table_memory::{ZeroedSlice, Zeroable};
 use crate::block::BlockId;
 
 /// Largest share of slots in use before the table grows: 4/5.
@@ -44,10 +45,14 @@ struct Slot {
     meta: Meta,
 }
 
+// SAFETY: an array of bytes and two atomic integers; all zero is an empty
+// slot.
+unsafe impl Zeroable for Slot {}
+
 /// Block ids with their [`Meta`]. Not synchronised: the index wraps it in a
 /// lock (a [`Meta`]'s fields are atomics, so readers may update them).
 pub struct IdTable {
-    slots: Box<[Slot]>,
+    slots: ZeroedSlice<Slot>,
     mask: usize,
     len: usize,
     /// The all-zero id's entry, kept aside.
@@ -66,8 +71,8 @@ impl std::fmt::Debug for IdTable {
     }
 }
 
-fn empty_slots(n: usize) -> Box<[Slot]> {
-    (0..n).map(|_| Slot::default()).collect()
+fn empty_slots(n: usize) -> ZeroedSlice<Slot> {
+    ZeroedSlice::new(n)
 }
 
 impl Default for IdTable {
@@ -151,10 +156,17 @@ impl IdTable {
     fn prefetch(&self, id: &BlockId) {
         #[cfg(target_arch = "x86_64")]
         {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let p = &self.slots[self.home(&id.0)] as *const Slot as *const i8;
-            // SAFETY: a prefetch is a hint that never faults, and `p` points
-            // into the table's own allocation.
-            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+            // A slot (24 bytes) straddles two cache lines one time in three:
+            // ask for the line of its last byte too.
+            let last = p.wrapping_add(std::mem::size_of::<Slot>() - 1);
+            // SAFETY: a prefetch is a hint that never faults, and both
+            // pointers point into the table's own memory.
+            unsafe {
+                _mm_prefetch(p, _MM_HINT_T0);
+                _mm_prefetch(last, _MM_HINT_T0);
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = id;
