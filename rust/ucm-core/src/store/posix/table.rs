@@ -17,7 +17,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::table_memory::{ZeroedSlice, Zeroable};
+use super::table_memory::{Zeroable, ZeroedSlice};
 use crate::block::BlockId;
 
 /// Largest share of slots in use before the table grows: 4/5.
