@@ -21,7 +21,9 @@ blocks takes a while) and measured, each figure in fresh processes:
 * with ``--engine``, an engine's start (vLLM, a small random-weight model,
   ucm's connector) over the largest store against an empty one, alternated.
 
-Each figure at 10^6 blocks is printed beside its target.
+Each figure at 10^6 blocks is printed beside its target. 10^7 blocks is an
+opt-in size (``--blocks 10000,100000,1000000,10000000``): its data set takes
+some 82 GB of disk.
 
     python benches/index_bench.py [--blocks 10000,100000,1000000] [--data DIR]
                                   [--engine] [--json FILE]
