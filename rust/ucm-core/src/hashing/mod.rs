@@ -42,6 +42,7 @@
 //! hashes. The root message is 21 bytes, which no `16 + 4k` block message can
 //! equal.
 
+pub mod copy_xxh3;
 mod md5_ucm;
 pub mod xxh3;
 

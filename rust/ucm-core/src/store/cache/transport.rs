@@ -16,9 +16,9 @@
 //!
 //! Dumps and loads hash the shard's bytes as they move (the checksum of
 //! [`crate::store::format::layout`], which each slot carries): on the host
-//! path in the same pass as the copy, a piece at a time, each piece hashed
-//! from the CPU cache right after it is copied (see `copy_hashing`); on
-//! the CUDA path from the slot's host memory once the copy is done.
+//! path in the same pass as the copy, each stripe hashed from the registers
+//! that copy it ([`copy_xxh3_64`]); on the CUDA path from the slot's host
+//! memory once the copy is done.
 //!
 //! The runtime is found with `dlopen` (`libcudart.so`, then versioned
 //! names), so there is no link-time dependency: on a machine without CUDA
@@ -31,35 +31,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::block::MemSeg;
 use crate::error::{Result, UcmError};
-use crate::hashing::xxh3::{xxh3_64, Xxh3Stream};
+use crate::hashing::copy_xxh3::{copy_xxh3_64, CopyPiece};
+use crate::hashing::xxh3::xxh3_64;
 use crate::io::bulk_copy::bulk_copy;
-
-/// Bytes copied, then hashed, at a time by [`copy_hashing`]: small enough
-/// to be still in the CPU's cache when hashed, large enough for the copy
-/// to stream.
-const HASH_PIECE: usize = 64 << 10;
-
-/// Copies `len` bytes from `src` to `dst` and feeds the source bytes to
-/// `h`, a piece at a time: each piece is hashed right after it was copied,
-/// from the cache, so the two cost one pass over memory. The source is
-/// read twice: the hash describes it as it was after the copy, so a byte
-/// that changed before or during the copy is seen by the hash too (it
-/// would have to change back in between to escape it).
-///
-/// # Safety
-/// As for [`bulk_copy`].
-unsafe fn copy_hashing(dst: *mut u8, src: *const u8, len: usize, h: &mut Xxh3Stream) {
-    let mut off = 0;
-    while off < len {
-        let n = HASH_PIECE.min(len - off);
-        // SAFETY: [off, off + n) lies within both ranges of the caller's.
-        unsafe {
-            bulk_copy(dst.add(off), src.add(off), n);
-            h.update(std::slice::from_raw_parts(src.add(off), n));
-        }
-        off += n;
-    }
-}
 
 /// Whether caller addresses are device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -346,8 +320,8 @@ impl Transport {
     }
 
     /// [`Self::copy_in`], returning the checksum of the bytes copied,
-    /// computed from the caller's memory (host path) or from the slot
-    /// right after the device copy (CUDA path).
+    /// computed from them as they are written to the slot (host path) or
+    /// from the slot right after the device copy (CUDA path).
     ///
     /// # Safety
     /// As for [`Self::copy_in`].
@@ -366,15 +340,23 @@ impl Transport {
                 return Ok(xxh3_64(std::slice::from_raw_parts(slot, len)));
             }
         }
-        let mut h = Xxh3Stream::new();
         let mut off = 0;
-        for s in segs {
-            // SAFETY: per the contract, source valid for s.len bytes and the
-            // destination range lies inside the slot.
-            unsafe { copy_hashing(slot.add(off), s.addr as *const u8, s.len, &mut h) };
-            off += s.len;
-        }
-        Ok(h.digest())
+        let pieces: Vec<CopyPiece> = segs
+            .iter()
+            .map(|s| {
+                // SAFETY: the segments' total length fits in the slot.
+                let dst = unsafe { slot.add(off) };
+                off += s.len;
+                CopyPiece {
+                    dst,
+                    src: s.addr as *const u8,
+                    len: s.len,
+                }
+            })
+            .collect();
+        // SAFETY: per the contract, each source is valid for its length and
+        // the destinations are disjoint ranges of the slot, ours alone.
+        Ok(unsafe { copy_xxh3_64(&pieces) })
     }
 
     /// [`Self::copy_out`], returning the checksum of the slot's bytes as
@@ -392,14 +374,23 @@ impl Transport {
                 return Ok(xxh3_64(std::slice::from_raw_parts(slot, len)));
             }
         }
-        let mut h = Xxh3Stream::new();
         let mut off = 0;
-        for s in segs {
-            // SAFETY: per the contract.
-            unsafe { copy_hashing(s.addr as *mut u8, slot.add(off), s.len, &mut h) };
-            off += s.len;
-        }
-        Ok(h.digest())
+        let pieces: Vec<CopyPiece> = segs
+            .iter()
+            .map(|s| {
+                // SAFETY: the segments' total length fits in the slot.
+                let src = unsafe { slot.add(off) };
+                off += s.len;
+                CopyPiece {
+                    dst: s.addr as *mut u8,
+                    src,
+                    len: s.len,
+                }
+            })
+            .collect();
+        // SAFETY: per the contract: the slot's bytes are nobody's to write
+        // meanwhile and every segment is the caller's to write.
+        Ok(unsafe { copy_xxh3_64(&pieces) })
     }
 
     /// Copies `slot` out into caller memory `segs` (a load).
@@ -504,9 +495,9 @@ mod tests {
     #[test]
     fn summed_copies_return_the_shard_checksum() {
         let t = Transport::new(0, DeviceMemory::No, 1, (std::ptr::null_mut(), 0)).unwrap();
-        let len = 3 * HASH_PIECE + 12345;
+        let len = 3 * (64 << 10) + 12345;
         let src: Vec<u8> = (0..len).map(|i| (i * 31 + i / 977) as u8).collect();
-        let (a, b) = src.split_at(HASH_PIECE + 7);
+        let (a, b) = src.split_at((64 << 10) + 7);
         let mut slot = vec![0u8; len];
         // SAFETY: all buffers are live and sized as described.
         let sum = unsafe {
