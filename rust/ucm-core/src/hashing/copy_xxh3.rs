@@ -10,9 +10,9 @@
 //! 7.0 GB/s for 256 KiB shards); here the hash rides on the copy's loads.
 //! XXH3's stripe loop is simple enough to write out (the specification's
 //! `accumulate_512` and `scramble`, AVX2 form), but no crate offers it
-//! over a copy, so it lives here. The result equals [`xxh3_64`] of the
-//! concatenated source; the tests hold it to that for every length class,
-//! split and alignment.
+//! over a copy, so it lives here. The result equals
+//! [`crate::hashing::xxh3::xxh3_64`] of the concatenated source; the tests
+//! hold it to that for every length class, split and alignment.
 //!
 //! On the fused path the checksum describes the bytes as written: a source
 //! byte that changes during the copy is written and hashed in the same
