@@ -155,14 +155,6 @@ mod avx2 {
             Self { v, stripe: 0 }
         }
 
-        /// `accumulate_512` of one stripe (its two halves) with the secret
-        /// at byte `key`.
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        fn accumulate(&mut self, halves: [__m256i; 2], key: usize) {
-            accumulate(&mut self.v, halves, key);
-        }
-
         /// Copies a whole block of stripes and hashes it, then scrambles:
         /// the stripe loop unrolled with constant secret offsets and the
         /// accumulators in registers.
@@ -188,7 +180,7 @@ mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2")]
         fn stripe(&mut self, halves: [__m256i; 2]) {
-            self.accumulate(halves, 8 * self.stripe);
+            accumulate(&mut self.v, halves, 8 * self.stripe);
             self.stripe += 1;
             if self.stripe == STRIPES_PER_BLOCK {
                 self.scramble();
@@ -211,7 +203,7 @@ mod avx2 {
         /// The last stripe, the merge of the accumulators and the avalanche.
         #[target_feature(enable = "avx2")]
         fn finish(mut self, last: &[u8; STRIPE], total: usize) -> u64 {
-            self.accumulate(load_stripe(last), SECRET.len() - STRIPE - 7);
+            accumulate(&mut self.v, load_stripe(last), SECRET.len() - STRIPE - 7);
             let mut acc = [0u64; 8];
             for (i, v) in self.v.iter().enumerate() {
                 // SAFETY: `acc` has room for two vectors of four u64.

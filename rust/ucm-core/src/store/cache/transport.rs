@@ -35,6 +35,30 @@ use crate::hashing::copy_xxh3::{copy_xxh3_64, CopyPiece};
 use crate::hashing::xxh3::xxh3_64;
 use crate::io::bulk_copy::bulk_copy;
 
+/// The copies between a slot and the caller's segments, laid end to end
+/// in the slot: into the slot (`into_slot`, a dump) or out of it (a load).
+fn slot_pieces(slot: *mut u8, segs: &[MemSeg], into_slot: bool) -> Vec<CopyPiece> {
+    let mut off = 0;
+    segs.iter()
+        .map(|s| {
+            // Pointer arithmetic only: the callers' contracts say the
+            // segments' total length fits in the slot.
+            let at = slot.wrapping_add(off);
+            off += s.len;
+            let (dst, src) = if into_slot {
+                (at, s.addr as *const u8)
+            } else {
+                (s.addr as *mut u8, at.cast_const())
+            };
+            CopyPiece {
+                dst,
+                src,
+                len: s.len,
+            }
+        })
+        .collect()
+}
+
 /// Whether caller addresses are device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DeviceMemory {
@@ -340,23 +364,9 @@ impl Transport {
                 return Ok(xxh3_64(std::slice::from_raw_parts(slot, len)));
             }
         }
-        let mut off = 0;
-        let pieces: Vec<CopyPiece> = segs
-            .iter()
-            .map(|s| {
-                // SAFETY: the segments' total length fits in the slot.
-                let dst = unsafe { slot.add(off) };
-                off += s.len;
-                CopyPiece {
-                    dst,
-                    src: s.addr as *const u8,
-                    len: s.len,
-                }
-            })
-            .collect();
         // SAFETY: per the contract, each source is valid for its length and
         // the destinations are disjoint ranges of the slot, ours alone.
-        Ok(unsafe { copy_xxh3_64(&pieces) })
+        Ok(unsafe { copy_xxh3_64(&slot_pieces(slot, segs, true)) })
     }
 
     /// [`Self::copy_out`], returning the checksum of the slot's bytes as
@@ -374,23 +384,9 @@ impl Transport {
                 return Ok(xxh3_64(std::slice::from_raw_parts(slot, len)));
             }
         }
-        let mut off = 0;
-        let pieces: Vec<CopyPiece> = segs
-            .iter()
-            .map(|s| {
-                // SAFETY: the segments' total length fits in the slot.
-                let src = unsafe { slot.add(off) };
-                off += s.len;
-                CopyPiece {
-                    dst: s.addr as *mut u8,
-                    src,
-                    len: s.len,
-                }
-            })
-            .collect();
         // SAFETY: per the contract: the slot's bytes are nobody's to write
         // meanwhile and every segment is the caller's to write.
-        Ok(unsafe { copy_xxh3_64(&pieces) })
+        Ok(unsafe { copy_xxh3_64(&slot_pieces(slot.cast_mut(), segs, false)) })
     }
 
     /// Copies `slot` out into caller memory `segs` (a load).
